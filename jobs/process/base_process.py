@@ -1,0 +1,20 @@
+"""BaseProcess: one named step of a job, with its typed config."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from ..job import JobContext
+
+
+class BaseProcess:
+    def __init__(self, job: JobContext, index: int, config: BaseModel):
+        self.job = job
+        self.index = index
+        self.config = config
+
+    def run(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement run()")

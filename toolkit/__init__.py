@@ -1,0 +1,1 @@
+"""difftune's building blocks: config, models, data, training maths, networks, outputs."""

@@ -1,0 +1,209 @@
+"""Read a job file (YAML or JSON), expand `${ENV}` and `[name]`, validate it against the schema."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .schema import JobConfig
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
+
+
+class ConfigError(Exception):
+    """A job file that cannot be used; the message names the file and the key."""
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-4` as a float (YAML 1.1 needs a dot, so PyYAML reads a string)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def resolve_config_path(arg: str, config_root: Path) -> Path:
+    """A config argument is a path, or a name looked up under `config_root` (with or without suffix)."""
+    candidates = [Path(arg)]
+    for base in (config_root, config_root / "examples"):
+        candidates.append(base / arg)
+        candidates += [base / f"{arg}{suffix}" for suffix in CONFIG_SUFFIXES]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    tried = ", ".join(str(c) for c in candidates)
+    raise ConfigError(f"config '{arg}' not found (looked for: {tried})")
+
+
+def read_raw(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_YamlLoader)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: cannot parse: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a job file is a mapping with `job`, `config` and `meta` keys")
+    return data
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
+def expand_env(data: Any, path: Path, environ: typing.Mapping[str, str]) -> Any:
+    """Replace `${VAR}` (or `${VAR:-default}`) in every string; a missing variable is an error."""
+
+    def expand(text: str) -> str:
+        def one(match: re.Match) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in environ:
+                return environ[name]
+            if default is not None:
+                return default
+            raise ConfigError(f"{path}: environment variable ${{{name}}} is not set")
+
+        return ENV_PATTERN.sub(one, text)
+
+    return _map_strings(data, expand)
+
+
+def substitute_name(data: dict[str, Any], path: Path, name: str | None) -> dict[str, Any]:
+    """Fill `[name]` in every string with `--name`, or with `config.name` when no `--name` is given."""
+    body = data.get("config")
+    if name is None:
+        name = body.get("name") if isinstance(body, dict) else None
+        if isinstance(name, str) and "[name]" in name:
+            raise ConfigError(f"{path}: config.name is '{name}'; pass --name to fill [name]")
+    if name is None:
+        return data
+    return _map_strings(data, lambda s: s.replace("[name]", name))
+
+
+def format_loc(loc: tuple, prefix: str = "") -> str:
+    out = prefix
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _section_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that holds the last key of `loc` (walking fields and list items)."""
+    current: Any = model
+    for part in loc:
+        current = _unwrap_model(current)
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return None
+        current = current.model_fields[part].annotation
+    current = _unwrap_model(current)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap_model(annotation: Any) -> Any:
+    """list[X] -> X, X | None -> X; anything else unchanged."""
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple):
+        return _unwrap_model(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if len(models) == 1 else annotation
+    return annotation
+
+
+def suggest_key(section: type[BaseModel] | None, key: str) -> str | None:
+    """The closest known key of `section` to a misspelled `key`, also matching other trainers' names."""
+    if section is None:
+        return None
+    names: dict[str, str] = {}
+    for field_name, field in section.model_fields.items():
+        names[field_name] = field_name
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        for other in extra.get("aka", []):
+            names.setdefault(other, field_name)
+    match = difflib.get_close_matches(key.lower(), list(names), n=1, cutoff=0.6)
+    return names[match[0]] if match else None
+
+
+def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, prefix: str = "") -> list[str]:
+    lines = []
+    for item in err.errors():
+        loc = tuple(item["loc"])
+        where = format_loc(loc, prefix) or prefix or "(top level)"
+        if item["type"] == "extra_forbidden":
+            hint = suggest_key(_section_at(model, loc[:-1]), str(loc[-1]))
+            msg = "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
+        else:
+            msg = item["msg"]
+        lines.append(f"  {where}: {msg}")
+    return lines
+
+
+def validate_job(data: dict[str, Any], path: Path, process_models: typing.Mapping[str, type[BaseModel]]) -> JobConfig:
+    """Validate the job and each process against the model registered for its `type`; all errors at once."""
+    problems: list[str] = []
+    try:
+        job = JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{path}: invalid config\n" + "\n".join(explain_errors(err, JobConfig, path))) from None
+    typed = []
+    for index, raw in enumerate(job.config.process):
+        where = f"config.process[{index}]"
+        if not isinstance(raw, dict) or "type" not in raw:
+            problems.append(f"  {where}: a process is a mapping with a `type`")
+            continue
+        model = process_models.get(raw["type"])
+        if model is None:
+            explain = getattr(process_models, "explain_unknown", None)
+            detail = explain(raw["type"]) if explain else f"known: {', '.join(sorted(process_models))}"
+            problems.append(f"  {where}.type: unknown process type '{raw['type']}' ({detail})")
+            continue
+        try:
+            typed.append(model.model_validate(raw))
+        except ValidationError as err:
+            problems += explain_errors(err, model, path, prefix=where)
+    if problems:
+        raise ConfigError(f"{path}: invalid config\n" + "\n".join(problems))
+    job.config.process = typed
+    return job
+
+
+def load_config(
+    arg: str,
+    process_models: typing.Mapping[str, type[BaseModel]],
+    name: str | None = None,
+    config_root: Path = Path("config"),
+    environ: typing.Mapping[str, str] | None = None,
+) -> tuple[JobConfig, Path]:
+    """Load, expand and validate one job file. Returns the config and the file it came from."""
+    path = resolve_config_path(arg, config_root)
+    data = read_raw(path)
+    data = expand_env(data, path, os.environ if environ is None else environ)
+    data = substitute_name(data, path, name)
+    return validate_job(data, path, process_models), path

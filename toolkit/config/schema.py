@@ -1,0 +1,247 @@
+"""Typed job configuration.
+
+Every key has a type, a default and a description; unknown keys are errors (``extra="forbid"``).
+Defaults live here and nowhere else. ``aka`` lists names other trainers use for the same key, so
+that an error for a foreign name can suggest ours.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DType = Literal["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"]
+
+
+def aka(*names: str) -> dict[str, Any]:
+    """Field metadata: other trainers' names for this key (used for "did you mean" hints)."""
+    return {"aka": list(names)}
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors; defaults validated like user values."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelConfig(Section):
+    """The base model to fine-tune."""
+
+    arch: str = Field(..., description="Model family: sd15 (Stable Diffusion 1.x).",
+                      json_schema_extra=aka("model_type", "base_model"))
+    name_or_path: str = Field(
+        ...,
+        description="A diffusers folder, a hub id, a single-file .safetensors checkpoint, or `tiny` for a "
+        "small random model built offline (tests, quickstart).",
+        json_schema_extra=aka("path", "pretrained_model_name_or_path", "model_path"),
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="Dtype of the frozen base weights. `auto`: bfloat16 on CUDA, float32 on CPU."
+    )
+    variant: str | None = Field(None, description="Weight file variant of a diffusers folder, e.g. `fp16`.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, value: str) -> str:
+        from ..models.registry import available_archs  # names only; adapters import lazily
+
+        if value not in available_archs():
+            raise ValueError(f"unknown arch '{value}' (known: {', '.join(available_archs())})")
+        return value
+
+
+class NetworkConfig(Section):
+    """The trained adapter."""
+
+    type: Literal["lora"] = Field("lora", description="Adapter type.", json_schema_extra=aka("network_type"))
+    linear: int = Field(16, ge=1, description="LoRA rank of linear layers.",
+                        json_schema_extra=aka("rank", "network_dim", "r"))
+    linear_alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.",
+                                json_schema_extra=aka("alpha", "network_alpha", "lora_alpha"))
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input (peft's lora_dropout).",
+                           json_schema_extra=aka("lora_dropout", "network_dropout"))
+    target_modules: list[str] | None = Field(
+        None, description="Module names to adapt; default: the model family's attention projections."
+    )
+
+
+class SaveConfig(Section):
+    """What is written, and when."""
+
+    dtype: DType = Field("float16", description="Dtype of the saved LoRA weights.",
+                         json_schema_extra=aka("save_precision"))
+    save_every: int = Field(250, ge=0, description="Save a checkpoint every N steps (optimizer updates); "
+                            "0 saves only at the end.", json_schema_extra=aka("save_every_n_steps"))
+    max_step_saves_to_keep: int = Field(4, ge=1, description="Complete step checkpoints kept; older ones are "
+                                        "pruned after a newer one is complete.",
+                                        json_schema_extra=aka("save_last_n_steps", "checkpoints_total_limit"))
+
+
+class DatasetConfig(Section):
+    """One folder of images with sidecar captions."""
+
+    folder_path: str = Field(..., description="Folder of images (png, jpg, jpeg, webp).",
+                             json_schema_extra=aka("path", "image_dir", "train_data_dir", "instance_data_dir"))
+    caption_ext: str = Field("txt", description="Extension of the caption file next to each image.",
+                             json_schema_extra=aka("caption_extension"))
+    default_caption: str = Field("", description="Caption for images without a caption file.")
+    resolution: list[int] = Field(
+        [512],
+        description="Training sizes. Each value is a target pixel area (value x value); every image is "
+        "trained at each size not larger than itself (always at least the smallest), in the aspect-ratio "
+        "bucket closest to its own.",
+    )
+    num_repeats: int = Field(1, ge=1, description="How often each image appears per epoch.",
+                             json_schema_extra=aka("repeats", "num_repeat"))
+    is_reg: bool = Field(False, description="Regularisation images: the trigger word is not added.")
+
+    @field_validator("resolution", mode="before")
+    @classmethod
+    def _one_resolution_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) else value
+
+    @field_validator("resolution")
+    @classmethod
+    def _positive_sorted(cls, value: list[int]) -> list[int]:
+        if not value or any(v < 8 for v in value):
+            raise ValueError("give one or more sizes of at least 8 pixels")
+        return sorted(set(value))
+
+    @field_validator("caption_ext")
+    @classmethod
+    def _no_dot(cls, value: str) -> str:
+        return value.lstrip(".")
+
+
+class LRSchedulerParams(Section):
+    """Parameters of the LR schedules that take them."""
+
+    num_cycles: int = Field(1, ge=1, description="cosine_with_restarts: number of hard restarts.")
+    power: float = Field(1.0, gt=0, description="polynomial: power of the decay.")
+    lr_end: float = Field(0.0, ge=0, description="polynomial: final LR.")
+
+
+class TrainConfig(Section):
+    """The optimisation loop. A `step` is one optimizer update everywhere."""
+
+    batch_size: int = Field(1, ge=1, description="Images per micro-batch per process.",
+                            json_schema_extra=aka("train_batch_size"))
+    steps: int | None = Field(None, ge=1, description="Total optimizer updates. Wins over `epochs` when both "
+                              "are given.", json_schema_extra=aka("max_train_steps", "max_steps"))
+    epochs: int | None = Field(None, ge=1, description="Passes over the dataset, used when `steps` is unset.",
+                               json_schema_extra=aka("num_train_epochs", "max_train_epochs"))
+    gradient_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer update.",
+                                       json_schema_extra=aka("gradient_accumulation_steps"))
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.",
+                      json_schema_extra=aka("learning_rate", "unet_lr"))
+    optimizer: Literal["adamw"] = Field("adamw", description="Optimizer.", json_schema_extra=aka("optimizer_type"))
+    optimizer_params: dict[str, Any] = Field(
+        {}, description="Extra keyword arguments of the optimizer (e.g. weight_decay, betas).",
+        json_schema_extra=aka("optimizer_args"),
+    )
+    lr_scheduler: Literal[
+        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
+    ] = Field("constant", description="LR schedule over the optimizer updates.")
+    lr_scheduler_params: LRSchedulerParams = Field(LRSchedulerParams(), description="See below.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Warmup updates (linear from 0 to `lr`).",
+                                 json_schema_extra=aka("warmup_steps"))
+    lr_warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warmup as a fraction of the total "
+                                          "updates; not together with `lr_warmup_steps`.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 disables clipping.",
+                                 json_schema_extra=aka("clip_grad_norm"))
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Mixed precision of the forward pass. `auto`: bf16 on CUDA, fp32 on CPU.",
+        json_schema_extra=aka("mixed_precision"),
+    )
+    seed: int = Field(42, description="Seed of data order, noise and timesteps.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trained model.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes.",
+                             json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
+    overwrite: bool = Field(False, description="Start over in a run folder that already holds a finished "
+                            "LoRA or checkpoints (they are removed).")
+
+    @model_validator(mode="after")
+    def _length_and_warmup(self) -> TrainConfig:
+        problems = []
+        if self.steps is None and self.epochs is None:
+            problems.append("give `steps` (optimizer updates) or `epochs`")
+        if self.lr_warmup_steps and self.lr_warmup_ratio is not None:
+            problems.append("give `lr_warmup_steps` or `lr_warmup_ratio`, not both")
+        if self.steps is not None and self.lr_warmup_steps >= self.steps:
+            problems.append(f"`lr_warmup_steps` ({self.lr_warmup_steps}) must be shorter than `steps` ({self.steps})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class SampleConfig(Section):
+    """Sample images rendered during training."""
+
+    sample_every: int = Field(0, ge=0, description="Render samples every N steps; 0 = only at the end "
+                              "(when prompts are given).", json_schema_extra=aka("sample_every_n_steps"))
+    prompts: list[str] = Field([], description="Prompts; `[trigger]` is replaced by the trigger word.",
+                               json_schema_extra=aka("sample_prompts"))
+    neg: str = Field("", description="Negative prompt.", json_schema_extra=aka("negative_prompt"))
+    seed: int = Field(42, description="Seed of the first prompt.")
+    walk_seed: bool = Field(True, description="Prompt i uses seed + i (otherwise every prompt uses `seed`).")
+    guidance_scale: float = Field(7.0, ge=0, description="Classifier-free guidance scale.",
+                                  json_schema_extra=aka("cfg_scale", "cfg"))
+    sample_steps: int = Field(20, ge=1, description="Denoising steps per sample.",
+                              json_schema_extra=aka("num_inference_steps", "steps"))
+    width: int = Field(512, ge=8, description="Sample width in pixels (a multiple of the model's divisor).")
+    height: int = Field(512, ge=8, description="Sample height in pixels (a multiple of the model's divisor).")
+    sample_at_start: bool = Field(False, description="Also render a baseline before the first update.")
+
+
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+class SDTrainerConfig(Section):
+    """Process `sd_trainer`: LoRA training of a diffusion model."""
+
+    type: Literal["sd_trainer"] = Field("sd_trainer", description="Process type.")
+    training_folder: str = Field("output", description="Runs are written to <training_folder>/<name>/.",
+                                 json_schema_extra=aka("output_dir", "output_folder"))
+    device: str = Field("auto", description="cpu | cuda | cuda:N | auto. Under `accelerate launch` each "
+                        "process takes its own GPU; `cpu` forces the CPU.")
+    trigger_word: str | None = Field(None, description="Added to every caption of non-regularisation "
+                                     "datasets (or replaces `[trigger]`).")
+    model: ModelConfig = Field(..., description="See below.")
+    network: NetworkConfig = Field(NetworkConfig(), description="See below.")
+    datasets: list[DatasetConfig] = Field(..., min_length=1, description="One or more image folders.")
+    train: TrainConfig = Field(..., description="See below.")
+    save: SaveConfig = Field(SaveConfig(), description="See below.")
+    sample: SampleConfig = Field(SampleConfig(), description="See below.")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not DEVICE_PATTERN.match(value):
+            raise ValueError(f"'{value}' is not one of cpu | cuda | cuda:N | auto")
+        return value
+
+
+class JobBody(Section):
+    """The `config:` block of a job file."""
+
+    name: str = Field(..., min_length=1, description="Run name: the folder <training_folder>/<name>/ and the "
+                      "LoRA file name.")
+    process: list[Any] = Field(..., min_length=1, description="Processes run in order; each has a `type`.")
+
+    @field_validator("name")
+    @classmethod
+    def _usable_as_file_name(cls, value: str) -> str:
+        if "/" in value or "\\" in value or value in {".", ".."}:
+            raise ValueError(f"'{value}' must be usable as a folder name (no path separators)")
+        return value
+
+
+class JobConfig(Section):
+    """A whole job file."""
+
+    job: Literal["extension", "train"] = Field("extension", description="Job kind; both run the processes.")
+    config: JobBody = Field(..., description="Name and processes.")
+    meta: dict[str, Any] = Field({}, description="Free-form metadata, copied into outputs.")

@@ -1,0 +1,1 @@
+"""Data: image folders, captions, aspect-ratio buckets."""

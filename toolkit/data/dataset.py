@@ -1,0 +1,133 @@
+"""Image folders with sidecar captions, bucketed by aspect ratio."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from ..config.schema import DatasetConfig
+from .buckets import bucket_sizes, nearest_bucket, resolutions_for_image
+from .captions import apply_trigger, read_caption
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+EXIF_ORIENTATION = 0x0112
+log = logging.getLogger("difftune")
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be trained on; the message names the folder or file."""
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One usable image file: its size as displayed (EXIF orientation applied) and its final caption."""
+
+    path: Path
+    width: int
+    height: int
+    caption: str
+
+
+@dataclass(frozen=True)
+class TrainItem:
+    """One entry of an epoch: an image at one bucket size."""
+
+    record: ImageRecord
+    bucket: tuple[int, int]
+
+
+def read_image_size(path: Path) -> tuple[int, int]:
+    """Width and height as displayed; raises for files PIL cannot identify or that fail verification."""
+    with Image.open(path) as image:
+        image.verify()  # must come straight after open; the image cannot be used after it
+    with Image.open(path) as image:
+        width, height = image.size
+        orientation = image.getexif().get(EXIF_ORIENTATION, 1)
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+def scan_folder(cfg: DatasetConfig, trigger_word: str | None) -> list[ImageRecord]:
+    """The usable images of one dataset folder, sorted by name. Unreadable files are skipped, named."""
+    folder = Path(cfg.folder_path)
+    if not folder.is_dir():
+        raise DatasetError(f"dataset folder not found: {folder}")
+    records = []
+    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
+        try:
+            width, height = read_image_size(path)
+        except Exception as err:  # PIL raises many types for broken files; all mean "skip it"
+            log.warning("skipping unreadable image %s: %s", path, err)
+            continue
+        caption = read_caption(path, cfg.caption_ext, cfg.default_caption)
+        records.append(ImageRecord(path, width, height, apply_trigger(caption, trigger_word, cfg.is_reg)))
+    if not records:
+        raise DatasetError(f"dataset folder {folder} has no usable image ({', '.join(IMAGE_EXTENSIONS)})")
+    return records
+
+
+def items_for_dataset(records: list[ImageRecord], cfg: DatasetConfig, divisor: int) -> list[TrainItem]:
+    """Each image at each of its training sizes, in its nearest bucket, `num_repeats` times."""
+    sizes = {r: bucket_sizes(r, divisor) for r in cfg.resolution}
+    items = []
+    for record in records:
+        for resolution in resolutions_for_image(record.width, record.height, cfg.resolution):
+            bucket = nearest_bucket(record.width, record.height, sizes[resolution])
+            items.append(TrainItem(record, bucket))
+    return items * cfg.num_repeats
+
+
+def load_pixels(item: TrainItem) -> torch.Tensor:
+    """The image resized to cover its bucket and centre-cropped to it; CHW float in [-1, 1]."""
+    target_w, target_h = item.bucket
+    try:
+        with Image.open(item.record.path) as opened:
+            image = ImageOps.exif_transpose(opened).convert("RGB")
+    except Exception as err:
+        raise DatasetError(f"cannot read image {item.record.path}: {err}") from err
+    scale = max(target_w / image.width, target_h / image.height)
+    resized = (max(target_w, round(image.width * scale)), max(target_h, round(image.height * scale)))
+    image = image.resize(resized, Image.Resampling.BICUBIC)
+    left, top = (resized[0] - target_w) // 2, (resized[1] - target_h) // 2
+    image = image.crop((left, top, left + target_w, top + target_h))
+    array = np.asarray(image, dtype=np.float32)
+    return torch.from_numpy(array).permute(2, 0, 1).div(127.5).sub(1.0)
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """All datasets of a job as one list of items; batches are formed by the bucket sampler."""
+
+    def __init__(self, items: list[TrainItem]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.items[index]
+        return {"pixels": load_pixels(item), "caption": item.record.caption, "index": index}
+
+    def bucket_keys(self) -> list[tuple[int, int]]:
+        return [item.bucket for item in self.items]
+
+
+def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: int) -> ImageDataset:
+    items: list[TrainItem] = []
+    for cfg in cfgs:
+        items += items_for_dataset(scan_folder(cfg, trigger_word), cfg, divisor)
+    return ImageDataset(items)
+
+
+def collate(samples: list[dict]) -> dict:
+    sizes = {tuple(s["pixels"].shape) for s in samples}
+    if len(sizes) != 1:
+        raise ValueError(f"a batch mixes image sizes {sorted(sizes)}; batches must come from one bucket")
+    return {
+        "pixels": torch.stack([s["pixels"] for s in samples]),
+        "captions": [s["caption"] for s in samples],
+        "indices": torch.tensor([s["index"] for s in samples]),
+    }

@@ -1,0 +1,87 @@
+"""The ModelAdapter contract: the only view of a model family the trainer has."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..config.schema import ModelConfig
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning of a batch: per-token embeddings, and a mask where the family uses one."""
+
+    embeds: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PromptEmbeds:
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return PromptEmbeds(self.embeds.to(device=device, dtype=dtype), mask)
+
+
+class NoiseSchedule(ABC):
+    """How the family turns clean latents into a training example.
+
+    Timestep samplers draw `u` in (0, 1) per sample; the schedule maps it to the family's own timestep.
+    """
+
+    @abstractmethod
+    def timesteps(self, u: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+
+class ModelAdapter(ABC):
+    """One model family. Built by `load`; the trainer calls only the methods below."""
+
+    arch: ClassVar[str]
+    noise_schedule: NoiseSchedule
+    #: image sides must be multiples of this (latent downscale x denoiser downscale)
+    divisor: int
+    #: key prefix of the trained module in saved LoRA files (diffusers' convention)
+    lora_prefix: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ModelAdapter: ...
+
+    @abstractmethod
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds: ...
+
+    @abstractmethod
+    def encode_images(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pixels in [-1, 1], NCHW -> latents the denoiser trains on."""
+
+    @abstractmethod
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor: ...
+
+    @abstractmethod
+    def trainable_module(self) -> torch.nn.Module:
+        """The module the adapter (LoRA) is added to."""
+
+    @abstractmethod
+    def lora_target_modules(self) -> list[str]: ...
+
+    @abstractmethod
+    def use_for_training(self, module: torch.nn.Module) -> None:
+        """Route `predict` through `module` (the trainable module as wrapped by accelerate)."""
+
+    @abstractmethod
+    def sampling_pipeline(self) -> Any:
+        """A diffusers pipeline over the current components (LoRA active) for sample images."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    def describe(self) -> dict[str, str]:
+        """Facts recorded in output metadata."""
+        return {"arch": self.arch}

@@ -1,0 +1,154 @@
+"""Stable Diffusion 1.x: UNet2DConditionModel + CLIP text encoder + VAE + DDPM noise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    EulerDiscreteScheduler,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from ..config.schema import ModelConfig
+from ..paths import normalize_path
+from .base import ModelAdapter, NoiseSchedule, PromptEmbeds
+from .tiny import ensure_tiny_sd15
+
+
+class DDPMNoiseSchedule(NoiseSchedule):
+    """Integer DDPM timesteps; epsilon or v-prediction target as the scheduler config says."""
+
+    def __init__(self, scheduler: DDPMScheduler):
+        self.scheduler = scheduler
+        self.num_train_timesteps = scheduler.config.num_train_timesteps
+        self.prediction_type = scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"unsupported prediction_type '{self.prediction_type}' in the scheduler config")
+
+    def timesteps(self, u: torch.Tensor) -> torch.Tensor:
+        t = (u * self.num_train_timesteps).long()
+        return t.clamp(0, self.num_train_timesteps - 1)
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        return self.scheduler.add_noise(latents, noise, timesteps)
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        if self.prediction_type == "epsilon":
+            return noise
+        return self.scheduler.get_velocity(latents, noise, timesteps)
+
+
+class SD15Adapter(ModelAdapter):
+    arch = "sd15"
+    lora_prefix = "unet"
+
+    def __init__(self, unet, vae, text_encoder, tokenizer, scheduler, source: str):
+        self.unet = unet
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.source = source
+        self.noise_schedule = DDPMNoiseSchedule(scheduler)
+        vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        unet_scale = 2 ** (len(unet.config.block_out_channels) - 1)
+        self.divisor = vae_scale * unet_scale
+        self._denoiser: torch.nn.Module = unet
+
+    @classmethod
+    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> SD15Adapter:
+        source = normalize_path(model_cfg.name_or_path)
+        if source == "tiny":
+            source = str(ensure_tiny_sd15())
+        if source.endswith((".safetensors", ".ckpt")):
+            parts = cls._load_single_file(source, dtype)
+        else:
+            parts = cls._load_folder(source, model_cfg, dtype)
+        adapter = cls(*parts, source=source)
+        adapter._freeze_and_place(device)
+        return adapter
+
+    @staticmethod
+    def _load_folder(source: str, model_cfg: ModelConfig, dtype: torch.dtype) -> tuple:
+        kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
+        unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", torch_dtype=dtype, **kw)
+        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
+        text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
+        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=model_cfg.revision)
+        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=model_cfg.revision)
+        return unet, vae, text_encoder, tokenizer, scheduler
+
+    @staticmethod
+    def _load_single_file(source: str, dtype: torch.dtype) -> tuple:
+        if not Path(source).is_file():
+            raise FileNotFoundError(f"model file not found: {source}")
+        pipe = StableDiffusionPipeline.from_single_file(source, torch_dtype=dtype)
+        scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+        return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, scheduler
+
+    def _freeze_and_place(self, device: torch.device) -> None:
+        for module in (self.unet, self.vae, self.text_encoder):
+            module.requires_grad_(False)
+            module.eval()
+            module.to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.unet.device
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        tokens = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        )
+        embeds = self.text_encoder(tokens.input_ids.to(self.text_encoder.device))[0]
+        return PromptEmbeds(embeds)
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        pixels = pixels.to(device=self.vae.device, dtype=self.vae.dtype)
+        posterior = self.vae.encode(pixels).latent_dist
+        # Draw the posterior sample on the CPU generator so it does not depend on the device.
+        eps = torch.randn(posterior.mean.shape, generator=generator, dtype=torch.float32)
+        latents = posterior.mean + posterior.std * eps.to(posterior.mean.device, posterior.mean.dtype)
+        return latents * self.vae.config.scaling_factor
+
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        unet_dtype = self.unet.dtype
+        return self._denoiser(
+            noisy.to(unet_dtype), timesteps, encoder_hidden_states=embeds.embeds.to(unet_dtype)
+        ).sample
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.unet
+
+    def lora_target_modules(self) -> list[str]:
+        return ["to_q", "to_k", "to_v", "to_out.0"]
+
+    def use_for_training(self, module: torch.nn.Module) -> None:
+        self._denoiser = module
+
+    def sampling_pipeline(self) -> StableDiffusionPipeline:
+        return StableDiffusionPipeline(
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            unet=self.unet,
+            scheduler=EulerDiscreteScheduler.from_config(self.scheduler.config),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+    def describe(self) -> dict[str, str]:
+        return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}

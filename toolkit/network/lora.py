@@ -1,0 +1,58 @@
+"""LoRA through peft on the model's trainable module, and LoRA files in diffusers' format."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from diffusers.utils import convert_state_dict_to_diffusers
+from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import save_file
+
+from ..config.schema import NetworkConfig
+
+
+def build_lora_config(cfg: NetworkConfig, default_targets: list[str]) -> LoraConfig:
+    return LoraConfig(
+        r=cfg.linear,
+        lora_alpha=cfg.linear_alpha,
+        lora_dropout=cfg.dropout,
+        init_lora_weights="gaussian",
+        target_modules=cfg.target_modules or default_targets,
+    )
+
+
+def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[str]) -> list[torch.nn.Parameter]:
+    """Add a LoRA adapter (diffusers' peft integration) and return its parameters, kept in float32."""
+    module.add_adapter(build_lora_config(cfg, default_targets))
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the LoRA adapter has no trainable parameters (check network.target_modules)")
+    for param in params:
+        param.data = param.data.float()
+    return params
+
+
+def lora_state_dict(module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The adapter's weights with diffusers' keys (`<prefix>.<module>.lora.down.weight`), on the CPU."""
+    state = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+    return {f"{prefix}.{key}": value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
+
+
+def adapter_metadata(module: torch.nn.Module, prefix: str) -> str:
+    """The peft config as diffusers stores it in a LoRA header, so that alpha and targets load back."""
+    config = module.peft_config["default"].to_dict()
+    packed = {f"{prefix}.{key}": sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+    return json.dumps(packed, indent=2, sort_keys=True, default=str)
+
+
+def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str], module, prefix: str) -> None:
+    """Write a LoRA file atomically (temporary name, then rename): a crash never leaves half a file."""
+    header = {"format": "pt", LORA_ADAPTER_METADATA_KEY: adapter_metadata(module, prefix), **metadata}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(state, str(tmp), metadata=header)
+    os.replace(tmp, path)

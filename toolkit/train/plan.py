@@ -1,0 +1,91 @@
+"""TrainingPlan: the step arithmetic of a run, as a pure function of its sizes.
+
+A step is one optimizer update. With N processes, accelerate shards the batches so that every process
+sees ceil(batches / N) micro-batches per epoch (it repeats a few batches to even out the shards); an
+update happens every `gradient_accumulation` micro-batches, and a trailing partial window still updates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    samples: int
+    batches: int
+    processes: int
+    gradient_accumulation: int
+    micro_batches_per_epoch: int
+    updates_per_epoch: int
+    total_updates: int
+    warmup_updates: int
+    epochs: int
+    length_from: str  # "steps" or "epochs"
+    requested_steps: int | None = None
+    requested_epochs: int | None = None
+    warmup_ratio: float | None = None
+    requested_warmup: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        samples: int,
+        batches: int,
+        processes: int,
+        gradient_accumulation: int,
+        steps: int | None,
+        epochs: int | None,
+        warmup_steps: int = 0,
+        warmup_ratio: float | None = None,
+    ) -> TrainingPlan:
+        if steps is None and epochs is None:
+            raise ValueError("give train.steps or train.epochs")
+        plan = cls(
+            samples=samples, batches=batches, processes=processes, gradient_accumulation=gradient_accumulation,
+            micro_batches_per_epoch=0, updates_per_epoch=0, total_updates=0, warmup_updates=0, epochs=0,
+            length_from="steps" if steps is not None else "epochs", requested_steps=steps,
+            requested_epochs=epochs, warmup_ratio=warmup_ratio, requested_warmup=warmup_steps,
+        )
+        return plan.with_micro_batches(math.ceil(batches / processes))
+
+    def with_micro_batches(self, micro_batches_per_epoch: int) -> TrainingPlan:
+        """The plan for a given per-process dataloader length (used again after accelerate.prepare)."""
+        updates_per_epoch = math.ceil(micro_batches_per_epoch / self.gradient_accumulation)
+        if self.requested_steps is not None:
+            total = self.requested_steps
+        else:
+            total = self.requested_epochs * updates_per_epoch
+        warmup = self.requested_warmup
+        if self.warmup_ratio is not None:
+            warmup = math.floor(self.warmup_ratio * total)
+        if warmup >= total:
+            raise ValueError(f"warmup ({warmup} updates) must be shorter than training ({total} updates)")
+        return replace(
+            self,
+            micro_batches_per_epoch=micro_batches_per_epoch,
+            updates_per_epoch=updates_per_epoch,
+            total_updates=total,
+            warmup_updates=warmup,
+            epochs=math.ceil(total / updates_per_epoch),
+        )
+
+    def describe(self) -> str:
+        rows = [
+            ("samples", self.samples),
+            ("batches per epoch (all processes)", self.batches),
+            ("processes", self.processes),
+            ("micro-batches per process per epoch", self.micro_batches_per_epoch),
+            ("gradient accumulation", self.gradient_accumulation),
+            ("updates per epoch", self.updates_per_epoch),
+            ("total updates", self.total_updates),
+            ("warmup updates", self.warmup_updates),
+            ("epochs", self.epochs),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = ["training plan (a step is one optimizer update):"]
+        lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+        if self.requested_steps is not None and self.requested_epochs is not None:
+            lines.append(f"  train.steps ({self.requested_steps}) wins over train.epochs ({self.requested_epochs})")
+        return "\n".join(lines)
