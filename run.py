@@ -31,6 +31,9 @@ def setup_logging() -> None:
         format="%(asctime)s %(levelname)s %(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    # bitsandbytes warns on CPU-only machines that an optional 4-bit kernel package is missing; difftune
+    # does not use that kernel, so the warning is noise on every start.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def run_jobs(args: argparse.Namespace) -> int:

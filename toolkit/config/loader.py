@@ -159,6 +159,8 @@ def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, pre
         if item["type"] == "extra_forbidden":
             hint = suggest_key(_section_at(model, loc[:-1]), str(loc[-1]))
             msg = "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
+        elif item["type"] == "missing":
+            msg = "required key is missing"
         else:
             msg = item["msg"]
         lines.append(f"  {where}: {msg}")

@@ -1,0 +1,34 @@
+"""Shared fixtures. One pytest process imports diffusers/transformers once; tiny models are built once
+per session under a private cache so tests never depend on the user's cache."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("difftune_cache")
+    os.environ["DIFFTUNE_CACHE"] = str(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_sd15(tiny_cache) -> Path:
+    from toolkit.models.tiny import ensure_tiny_sd15
+
+    return ensure_tiny_sd15()
+
+
+@pytest.fixture(scope="session")
+def registry():
+    from jobs import build_registry
+
+    return build_registry(REPO / "extensions")

@@ -1,0 +1,160 @@
+"""Job files: parsing, substitution, validation errors that name file, path and a suggestion."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import REPO, trainer_process, write_job
+from toolkit.config import ConfigError, SDTrainerConfig, load_config
+from toolkit.config import docs as config_docs
+
+
+def job_dict(process: dict, name: str = "my_lora") -> dict:
+    return {"job": "extension", "config": {"name": name, "process": [process]}, "meta": {"name": "[name]"}}
+
+
+def test_issue_example_shape_loads(tmp_path, registry):
+    text = """
+job: extension
+config:
+  name: my_lora
+  process:
+    - type: sd_trainer
+      training_folder: output
+      device: cpu
+      trigger_word: null
+      network: {type: lora, linear: 4, linear_alpha: 4}
+      save: {dtype: float16, save_every: 250, max_step_saves_to_keep: 4}
+      datasets:
+        - {folder_path: data/imgs, caption_ext: txt, default_caption: "", resolution: [512], num_repeats: 1}
+      train: {batch_size: 1, steps: 1000, gradient_accumulation: 1, lr: 1e-4, optimizer: adamw,
+              lr_scheduler: constant, max_grad_norm: 1.0, dtype: bf16, seed: 42, gradient_checkpointing: false}
+      model: {arch: sd15, name_or_path: runwayml/stable-diffusion-v1-5}
+      sample: {sample_every: 250, prompts: ["a photo of [trigger]"], sample_steps: 20, guidance_scale: 7.0,
+               width: 512, height: 512, seed: 42}
+meta: {name: "[name]", version: "1.0"}
+"""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    config, _ = load_config(str(path), registry)
+    process = config.config.process[0]
+    assert isinstance(process, SDTrainerConfig)
+    assert isinstance(process.train.lr, float) and process.train.lr == 1e-4
+    assert config.meta["name"] == "my_lora"
+
+
+@pytest.mark.parametrize(
+    "mutate, path_text, hint",
+    [
+        (lambda p: p.update(trian=p.pop("train")), "config.process[0].trian", "did you mean 'train'?"),
+        (lambda p: p["train"].update(lerning_rate=1e-4), "config.process[0].train.lerning_rate",
+         "did you mean 'lr'?"),
+        (lambda p: p["datasets"][0].update(folder_pth="x"), "config.process[0].datasets[0].folder_pth",
+         "did you mean 'folder_path'?"),
+        (lambda p: p["train"].update(gradient_accumulation_steps=2),
+         "config.process[0].train.gradient_accumulation_steps", "did you mean 'gradient_accumulation'?"),
+    ],
+)
+def test_unknown_key_names_file_path_and_suggestion(tmp_path, registry, mutate, path_text, hint):
+    process = trainer_process(tmp_path)
+    mutate(process)
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(job_dict(process)))
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), registry)
+    message = str(err.value)
+    assert str(path) in message
+    assert f"{path_text}: unknown key ({hint})" in message
+
+
+def test_all_errors_are_reported_together(tmp_path, registry):
+    process = trainer_process(tmp_path)
+    process["train"]["lerning_rate"] = 1
+    process["network"]["linear"] = 0
+    path = write_job(tmp_path / "two.yaml", "x", process)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), registry)
+    assert "train.lerning_rate" in str(err.value) and "network.linear" in str(err.value)
+
+
+def test_unknown_process_type_lists_known_ones(tmp_path, registry):
+    path = write_job(tmp_path / "job.yaml", "x", {"type": "sd_trainr"})
+    with pytest.raises(ConfigError, match=r"config.process\[0\].type: unknown process type 'sd_trainr'.*sd_trainer"):
+        load_config(str(path), registry)
+
+
+def test_name_substitution_from_config_and_from_cli(tmp_path, registry):
+    process = trainer_process(tmp_path, training_folder=str(tmp_path / "[name]_runs"))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_dict(process, name="[name]")))
+    with pytest.raises(ConfigError, match="pass --name"):
+        load_config(str(path), registry)
+    config, _ = load_config(str(path), registry, name="cat")
+    assert config.config.name == "cat"
+    assert config.config.process[0].training_folder == str(tmp_path / "cat_runs")
+    assert config.meta["name"] == "cat"
+
+    path.write_text(yaml.safe_dump(job_dict(process, name="dog")))
+    config, _ = load_config(str(path), registry)
+    assert config.config.process[0].training_folder == str(tmp_path / "dog_runs")
+
+
+def test_env_expansion_and_missing_variable(tmp_path, registry):
+    process = trainer_process(tmp_path, trigger_word="${TRIGGER}",
+                              training_folder="${OUT_ROOT:-" + str(tmp_path) + "}/runs")
+    path = write_job(tmp_path / "job.yaml", "x", process)
+    config, _ = load_config(str(path), registry, environ={"TRIGGER": "sks"})
+    assert config.config.process[0].trigger_word == "sks"
+    assert config.config.process[0].training_folder == f"{tmp_path}/runs"
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), registry, environ={})
+    assert str(path) in str(err.value) and "${TRIGGER}" in str(err.value)
+
+
+def test_json_and_yaml_give_the_same_config(tmp_path, registry):
+    data = job_dict(trainer_process(tmp_path))
+    (tmp_path / "job.json").write_text(json.dumps(data))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    from_json, _ = load_config(str(tmp_path / "job.json"), registry)
+    from_yaml, _ = load_config(str(tmp_path / "job.yaml"), registry)
+    assert from_json.model_dump() == from_yaml.model_dump()
+
+
+def test_config_name_is_looked_up_under_config_root(tmp_path, registry):
+    root = tmp_path / "config"
+    write_job(root / "examples" / "mine.yaml", "mine", trainer_process(tmp_path))
+    _, path = load_config("mine", registry, config_root=root)
+    assert path == root / "examples" / "mine.yaml"
+    with pytest.raises(ConfigError, match="config 'nope' not found"):
+        load_config("nope", registry, config_root=root)
+
+
+def test_cross_field_checks(tmp_path, registry):
+    process = trainer_process(tmp_path, train={"steps": None, "lr_warmup_steps": 2, "lr_warmup_ratio": 0.1})
+    path = write_job(tmp_path / "job.yaml", "x", process)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), registry)
+    assert "give `steps`" in str(err.value) and "not both" in str(err.value)
+
+
+def test_unknown_arch_and_device_are_config_errors(tmp_path, registry):
+    process = trainer_process(tmp_path, device="gpu", model={"arch": "sdxl"})
+    path = write_job(tmp_path / "job.yaml", "x", process)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), registry)
+    assert "model.arch" in str(err.value) and "known: sd15" in str(err.value)
+    assert "device" in str(err.value)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path: Path, registry):
+    load_config(str(path), registry, name="check")
+
+
+def test_config_reference_matches_schema():
+    documented = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+    assert documented == config_docs.render(), "regenerate: python -m toolkit.config.docs > docs/config.md"

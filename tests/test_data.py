@@ -1,0 +1,133 @@
+"""Datasets: captions and trigger words, unreadable images, buckets and the batch sampler."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from helpers import make_image
+from toolkit.config.schema import DatasetConfig
+from toolkit.data.buckets import BucketBatchSampler, bucket_sizes, nearest_bucket, resolutions_for_image
+from toolkit.data.captions import apply_trigger
+from toolkit.data.dataset import DatasetError, build_dataset, collate, load_pixels, scan_folder
+
+
+def test_trigger_word_replaces_tag_or_is_prepended():
+    assert apply_trigger("a photo of [trigger] at night", "sks", is_reg=False) == "a photo of sks at night"
+    assert apply_trigger("a dog", "sks", is_reg=False) == "sks, a dog"
+    assert apply_trigger("", "sks", is_reg=False) == "sks"
+    assert apply_trigger("a dog", None, is_reg=False) == "a dog"
+
+
+def test_regularisation_captions_never_get_the_trigger():
+    assert apply_trigger("a dog", "sks", is_reg=True) == "a dog"
+    assert apply_trigger("[trigger], a dog", "sks", is_reg=True) == "a dog"
+
+
+def test_captions_come_from_sidecars_or_the_default(tmp_path):
+    make_image(tmp_path / "a.png", (32, 32), caption="a  red\nthing")
+    make_image(tmp_path / "b.jpg", (32, 32))
+    (tmp_path / "notes.md").write_text("not an image")
+    records = scan_folder(DatasetConfig(folder_path=str(tmp_path), default_caption="fallback"), "sks")
+    assert [(r.path.name, r.caption) for r in records] == [("a.png", "sks, a red thing"), ("b.jpg", "sks, fallback")]
+
+
+def test_corrupt_image_is_skipped_and_named(tmp_path, caplog):
+    make_image(tmp_path / "good.png", (32, 32))
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    truncated = make_image(tmp_path / "cut.png", (64, 64)).read_bytes()
+    (tmp_path / "cut.png").write_bytes(truncated[: len(truncated) // 2])
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        records = scan_folder(DatasetConfig(folder_path=str(tmp_path)), None)
+    assert [r.path.name for r in records] == ["good.png"]
+    assert str(tmp_path / "broken.png") in caplog.text
+    assert str(tmp_path / "cut.png") in caplog.text
+
+
+def test_folder_without_usable_images_fails_naming_it(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=f"{tmp_path / 'empty'} has no usable image"):
+        scan_folder(DatasetConfig(folder_path=str(tmp_path / "empty")), None)
+    with pytest.raises(DatasetError, match="dataset folder not found"):
+        scan_folder(DatasetConfig(folder_path=str(tmp_path / "missing")), None)
+
+
+def test_exif_rotation_decides_the_aspect_ratio(tmp_path):
+    from PIL import Image
+
+    image = Image.new("RGB", (96, 48))
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees on display
+    image.save(tmp_path / "rotated.jpg", exif=exif)
+    (record,) = scan_folder(DatasetConfig(folder_path=str(tmp_path)), None)
+    assert (record.width, record.height) == (48, 96)
+
+
+def test_bucket_sides_are_multiples_of_the_divisor_and_fit_the_area():
+    for width, height in bucket_sizes(512, 64):
+        assert width % 64 == 0 and height % 64 == 0 and width * height <= 512 * 512
+    assert (512, 512) in bucket_sizes(512, 64)
+    assert nearest_bucket(1024, 1024, bucket_sizes(512, 64)) == (512, 512)
+    # the same buckets kohya uses at 512: 3:2 lands in 640x384 (closer in log aspect than 576x448)
+    assert nearest_bucket(1536, 1024, bucket_sizes(512, 64)) == (640, 384)
+
+
+def test_images_train_at_each_size_they_can_fill():
+    assert resolutions_for_image(600, 600, [512, 768]) == [512]
+    assert resolutions_for_image(1024, 1024, [512, 768]) == [512, 768]
+    assert resolutions_for_image(100, 100, [512, 768]) == [512]
+
+
+def test_three_aspect_ratios_give_three_buckets_and_no_batch_mixes_them(tmp_path):
+    for i in range(5):
+        make_image(tmp_path / f"square_{i}.png", (128, 128))
+        make_image(tmp_path / f"wide_{i}.png", (192, 96))
+        make_image(tmp_path / f"tall_{i}.png", (96, 192))
+    dataset = build_dataset([DatasetConfig(folder_path=str(tmp_path), resolution=[128])], None, divisor=16)
+    buckets = {item.record.path.name.split("_")[0]: set() for item in dataset.items}
+    for item in dataset.items:
+        buckets[item.record.path.name.split("_")[0]].add(item.bucket)
+    assert all(len(b) == 1 for b in buckets.values())
+    assert len({next(iter(b)) for b in buckets.values()}) == 3
+
+    sampler = BucketBatchSampler(dataset.bucket_keys(), per_batch=2, seed=1)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) == 9  # ceil(5 / 2) per bucket
+    for batch in batches:
+        assert len({dataset.items[i].bucket for i in batch}) == 1
+        pixels = collate([dataset[i] for i in batch])["pixels"]
+        width, height = dataset.items[batch[0]].bucket
+        assert pixels.shape[-2:] == (height, width)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(dataset)))
+
+
+def test_data_order_is_a_function_of_seed_and_epoch():
+    keys = [(64, 64)] * 6 + [(96, 32)] * 5
+    first = BucketBatchSampler(keys, per_batch=2, seed=3)
+    second = BucketBatchSampler(keys, per_batch=2, seed=3)
+    assert first.batches_for_epoch(0) == second.batches_for_epoch(0)
+    assert first.batches_for_epoch(0) != first.batches_for_epoch(1)
+    assert first.batches_for_epoch(0) != BucketBatchSampler(keys, per_batch=2, seed=4).batches_for_epoch(0)
+    first.set_epoch(1)
+    assert list(first) == second.batches_for_epoch(1)
+
+
+def test_pixels_cover_the_bucket_in_range(tmp_path):
+    make_image(tmp_path / "wide.png", (300, 100), color=(255, 0, 0))
+    (item,) = build_dataset([DatasetConfig(folder_path=str(tmp_path), resolution=[64])], None, divisor=16).items
+    pixels = load_pixels(item)
+    assert pixels.shape == (3, item.bucket[1], item.bucket[0])
+    assert pixels.min() >= -1 and pixels.max() <= 1
+    assert pixels[0].mean() > 0.9 and pixels[1].mean() < -0.9
+
+
+def test_num_repeats_and_several_datasets(tmp_path):
+    make_image(tmp_path / "a" / "x.png", (64, 64))
+    make_image(tmp_path / "b" / "y.png", (64, 64), caption="[trigger] dog")
+    dataset = build_dataset(
+        [DatasetConfig(folder_path=str(tmp_path / "a"), num_repeats=3, resolution=[64]),
+         DatasetConfig(folder_path=str(tmp_path / "b"), is_reg=True, resolution=[64])],
+        "sks", divisor=16,
+    )
+    assert [item.record.caption for item in dataset.items] == ["sks", "sks", "sks", "dog"]

@@ -1,0 +1,77 @@
+"""run.py: several configs in order, --name, --recover, exit codes; the real CLI and accelerate launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import run
+from helpers import REPO, trainer_process, write_job
+from toolkit.metrics import read_metrics
+
+
+def broken_job(tmp_path):
+    return write_job(tmp_path / "broken.yaml", "broken", trainer_process(tmp_path, datasets=[
+        {"folder_path": str(tmp_path / "no_such_folder")}]))
+
+
+def test_recover_goes_on_after_a_failure_and_exit_code_says_it(tmp_path):
+    good = write_job(tmp_path / "good.yaml", "good", trainer_process(tmp_path, train={"steps": 1}))
+    assert run.main([str(broken_job(tmp_path)), str(good)]) == 1
+    assert not (tmp_path / "output" / "good").exists()  # stopped at the first failure
+
+    assert run.main([str(broken_job(tmp_path)), str(good), "--recover"]) == 1
+    assert (tmp_path / "output" / "good" / "good.safetensors").is_file()
+
+
+def test_name_flag_fills_the_name_and_runs(tmp_path):
+    job = {"job": "extension", "config": {"name": "[name]", "process": [trainer_process(tmp_path, train={"steps": 2})]}}
+    (tmp_path / "shared.yaml").write_text(yaml.safe_dump(job))
+    assert run.main([str(tmp_path / "shared.yaml"), "--name", "cat_v1"]) == 0
+    assert (tmp_path / "output" / "cat_v1" / "cat_v1.safetensors").is_file()
+
+
+def test_rerun_refuses_to_overwrite_a_finished_run(tmp_path):
+    path = write_job(tmp_path / "job.yaml", "once", trainer_process(tmp_path, train={"steps": 1}))
+    assert run.main([str(path)]) == 0
+    lora = tmp_path / "output" / "once" / "once.safetensors"
+    before = lora.read_bytes()
+    assert run.main([str(path)]) == 1
+    assert lora.read_bytes() == before
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def test_cli_runs_a_job_file(tmp_path):
+    path = write_job(tmp_path / "job.yaml", "cli", trainer_process(tmp_path, train={"steps": 2}))
+    result = subprocess.run([sys.executable, str(REPO / "run.py"), str(path)], capture_output=True, text=True,
+                            env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "total updates" in result.stderr
+    assert len(read_metrics(tmp_path / "output" / "cli" / "metrics.jsonl")) == 2
+
+
+@pytest.mark.multiprocess
+def test_accelerate_launch_two_processes_on_cpu(tmp_path):
+    """`device: cpu` under a plain multi-GPU launch line runs two gloo processes."""
+    steps = 3
+    path = write_job(tmp_path / "job.yaml", "ddp", trainer_process(tmp_path, train={"steps": steps}))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(REPO / "run.py"), str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "output" / "ddp"
+    assert "processes                            2" in result.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    state = json.loads((run_dir / "checkpoints" / "step_000000003" / "train_state.json").read_text())
+    assert state["world_size"] == 2 and state["global_step"] == steps
