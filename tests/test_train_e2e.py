@@ -114,3 +114,21 @@ def test_model_learns_and_lora_loads_in_diffusers(trained, tiny_sd15):
     # the file reproduces the trained model exactly (alpha / rank scaling survives the round trip)
     process.adapter.unet.eval()
     assert held_out_loss(adapter, process.adapter.unet, pixels, captions) == pytest.approx(after_loss, rel=1e-5)
+
+
+def test_accumulation_epochs_bf16_and_checkpointing(tmp_path, registry, tiny_sd15):
+    """8 images, batch 2, accumulation 2: 4 micro-batches -> 2 updates per epoch; 2 epochs -> 4 updates."""
+    process = trainer_process(
+        tmp_path,
+        train={"steps": None, "epochs": 2, "gradient_accumulation": 2, "dtype": "bf16",
+               "gradient_checkpointing": True},
+    )
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "accum", process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    records = read_metrics(tmp_path / "output" / "accum" / "metrics.jsonl")
+    assert [(r["step"], r["epoch"]) for r in records] == [(1, 0), (2, 0), (3, 1), (4, 1)]
+    trainer = job.processes[0]
+    assert trainer.mixed_precision == "bf16"
+    assert trainer.adapter.unet.is_gradient_checkpointing
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)

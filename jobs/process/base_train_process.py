@@ -46,9 +46,10 @@ class BaseTrainProcess(BaseProcess):
         device = self.target_device()
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device.index)
+        self.mixed_precision = mixed_precision(self.config.train.dtype, device)
         self.accelerator = Accelerator(
             cpu=device.type == "cpu",
-            mixed_precision=mixed_precision(self.config.train.dtype, device),
+            mixed_precision=self.mixed_precision,
             gradient_accumulation_steps=self.config.train.gradient_accumulation,
         )
         return self.accelerator

@@ -42,6 +42,12 @@ class ModelConfig(Section):
     )
     variant: str | None = Field(None, description="Weight file variant of a diffusers folder, e.g. `fp16`.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
+    single_file_config: str | None = Field(
+        None,
+        description="For a single-file checkpoint: a diffusers folder or hub id whose component configs "
+        "(and tokenizer) describe it. Default: diffusers picks one from the checkpoint's keys and fetches "
+        "its configs from the hub; give a local folder to load offline.",
+    )
 
     @field_validator("arch")
     @classmethod

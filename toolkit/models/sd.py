@@ -67,7 +67,7 @@ class SD15Adapter(ModelAdapter):
         if source == "tiny":
             source = str(ensure_tiny_sd15())
         if source.endswith((".safetensors", ".ckpt")):
-            parts = cls._load_single_file(source, dtype)
+            parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
         else:
             parts = cls._load_folder(source, model_cfg, dtype)
         adapter = cls(*parts, source=source)
@@ -85,10 +85,13 @@ class SD15Adapter(ModelAdapter):
         return unet, vae, text_encoder, tokenizer, scheduler
 
     @staticmethod
-    def _load_single_file(source: str, dtype: torch.dtype) -> tuple:
+    def _load_single_file(source: str, config: str | None, dtype: torch.dtype) -> tuple:
         if not Path(source).is_file():
             raise FileNotFoundError(f"model file not found: {source}")
-        pipe = StableDiffusionPipeline.from_single_file(source, torch_dtype=dtype)
+        local_config = config is not None and Path(config).is_dir()
+        pipe = StableDiffusionPipeline.from_single_file(
+            source, config=config, local_files_only=local_config, torch_dtype=dtype
+        )
         scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, scheduler
 
