@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -51,3 +54,20 @@ def write_job(path: Path, name: str, *processes: dict) -> Path:
 def copy_quickstart_data(dest: Path) -> Path:
     shutil.copytree(QUICKSTART_DATA, dest)
     return dest
+
+
+def make_images(folder: Path, count: int, size: tuple[int, int] = (32, 32)) -> Path:
+    """`count` small images with distinct colours and captions."""
+    for i in range(count):
+        make_image(folder / f"img_{i:04d}.png", size, color=(i * 37 % 256, i * 91 % 256, i * 53 % 256),
+                   caption=f"image number {i}")
+    return folder
+
+
+def launch(job: Path, processes: int, cwd: Path) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes N run.py job` on the CPU (gloo), as a user would."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(REPO / "run.py"), str(job)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)

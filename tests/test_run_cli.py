@@ -68,6 +68,7 @@ def test_accelerate_launch_two_processes_on_cpu(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(REPO / "run.py"), str(path)]
+    # no ACCELERATE_USE_CPU here: the job's `device: cpu` alone must give two CPU processes
     result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "output" / "ddp"

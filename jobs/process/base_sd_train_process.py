@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint
@@ -77,7 +78,10 @@ class BaseSDTrainProcess(BaseTrainProcess):
     def load_model(self) -> ModelAdapter:
         adapter_class = get_adapter_class(self.config.model.arch)
         device = self.accelerator.device
-        adapter = adapter_class.load(self.config.model, device, torch_dtype(self.config.model.dtype, device))
+        # The main process first: it alone downloads or builds (tiny presets) what is missing; the others
+        # then read the finished files instead of racing to write them.
+        with self.accelerator.main_process_first():
+            adapter = adapter_class.load(self.config.model, device, torch_dtype(self.config.model.dtype, device))
         if self.config.train.gradient_checkpointing:
             adapter.trainable_module().enable_gradient_checkpointing()
         log.info("model: %s", adapter.describe())
@@ -225,23 +229,28 @@ class BaseSDTrainProcess(BaseTrainProcess):
                         self.adapter.lora_prefix)
 
     def train_state(self) -> dict:
+        """Where training is; called on every rank (it gathers each rank's step and LR)."""
         pos = self.position
+        lr = self.lr_scheduler.get_last_lr()[0]
+        ranks = gather_object([{"rank": self.accelerator.process_index, "global_step": pos.global_step, "lr": lr}])
         return {
             "global_step": pos.global_step,
             "epoch": pos.epoch,
             "micro_batch_in_epoch": pos.micro_batch_in_epoch,
             "world_size": self.accelerator.num_processes,
-            "lr": self.lr_scheduler.get_last_lr()[0],
+            "lr": lr,
+            "ranks": ranks,
         }
 
     def save_checkpoint(self) -> None:
         flush()
+        state = self.train_state()
         if self.is_main:
             folder = checkpoint.save_checkpoint(
                 self.run_dir / "checkpoints",
                 self.position.global_step,
                 lambda tmp: self.write_lora(tmp / "lora.safetensors"),
-                self.train_state(),
+                state,
                 keep=self.config.save.max_step_saves_to_keep,
             )
             log.info("saved checkpoint %s", folder)

@@ -120,6 +120,9 @@ def ensure_tiny_sd15(preset: dict = TINY_SD15) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         _build_tiny_sd15(tmp, preset)
+        missing = [p.parent.name for p in tmp.glob("*/config.json") if not any(p.parent.glob("*.safetensors"))]
+        if missing:  # e.g. transformers skips writing on non-zero ranks of a distributed run
+            raise RuntimeError(f"building the tiny model wrote no weights for: {', '.join(missing)}")
         try:
             tmp.rename(folder)
         except OSError:

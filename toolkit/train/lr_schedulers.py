@@ -16,12 +16,15 @@ from .plan import TrainingPlan
 
 def build_lr_scheduler(train: TrainConfig, optimizer: torch.optim.Optimizer, plan: TrainingPlan):
     params = train.lr_scheduler_params
-    if train.lr_scheduler == "polynomial":  # get_scheduler does not pass lr_end through
+    name = train.lr_scheduler
+    if name == "constant" and plan.warmup_updates:  # diffusers' `constant` ignores warmup
+        name = "constant_with_warmup"
+    if name == "polynomial":  # get_scheduler does not pass lr_end through
         return get_polynomial_decay_schedule_with_warmup(
             optimizer, plan.warmup_updates, plan.total_updates, lr_end=params.lr_end, power=params.power
         )
     return get_scheduler(
-        train.lr_scheduler,
+        name,
         optimizer,
         num_warmup_steps=plan.warmup_updates,
         num_training_steps=plan.total_updates,

@@ -61,7 +61,10 @@ class TrainingPlan:
         if self.warmup_ratio is not None:
             warmup = math.floor(self.warmup_ratio * total)
         if warmup >= total:
-            raise ValueError(f"warmup ({warmup} updates) must be shorter than training ({total} updates)")
+            raise ValueError(
+                f"train.lr_warmup_steps / train.lr_warmup_ratio give {warmup} warmup updates, but training has "
+                f"only {total} updates; warmup must be shorter"
+            )
         return replace(
             self,
             micro_batches_per_epoch=micro_batches_per_epoch,

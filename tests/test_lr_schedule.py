@@ -1,0 +1,139 @@
+"""The LR is a function of the update index alone: right on any number of processes, by epochs or by steps.
+
+Two- and three-process runs use `accelerate launch --multi_gpu` on the CPU (gloo) with the real run.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import launch, make_images, trainer_process, write_job
+from jobs import get_job
+from toolkit.config import load_config
+from toolkit.config.schema import TrainConfig
+from toolkit.metrics import read_metrics
+from toolkit.train.lr_schedulers import build_lr_scheduler
+from toolkit.train.plan import TrainingPlan
+
+LR = 1e-3
+
+
+def lr_sequence(plan: TrainingPlan, **train) -> tuple[list[float], float]:
+    """The LR each update uses, and the LR after the last one, as the trainer steps the scheduler."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    scheduler = build_lr_scheduler(TrainConfig(lr=LR, steps=plan.total_updates, **train), optimizer, plan)
+    used = []
+    for _ in range(plan.total_updates):
+        used.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return used, scheduler.get_last_lr()[0]
+
+
+def plan_for(total: int, warmup: int = 0) -> TrainingPlan:
+    return TrainingPlan.create(samples=total, batches=total, processes=1, gradient_accumulation=1,
+                               steps=total, epochs=None, warmup_steps=warmup)
+
+
+def test_warmup_then_cosine_to_zero():
+    used, final = lr_sequence(plan_for(20, warmup=5), lr_scheduler="cosine", lr_warmup_steps=5)
+    assert used[:6] == pytest.approx([0, LR / 5, 2 * LR / 5, 3 * LR / 5, 4 * LR / 5, LR])
+    for k in range(5, 20):
+        assert used[k] == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * (k - 5) / 15)))
+    assert final == 0
+
+
+def test_warmup_is_not_counted_twice_in_restart_cycles():
+    used, _ = lr_sequence(plan_for(24, warmup=4), lr_scheduler="cosine_with_restarts", lr_warmup_steps=4,
+                          lr_scheduler_params={"num_cycles": 2})
+    # 20 updates after warmup, 2 cycles of 10: restarts at update index 4 + 10
+    assert used[4] == pytest.approx(LR) and used[14] == pytest.approx(LR)
+    assert used[13] < LR * 0.05
+
+
+@pytest.mark.parametrize("name", ["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+                                  "polynomial"])
+def test_every_schedule_warms_up(name):
+    used, _ = lr_sequence(plan_for(10, warmup=4), lr_scheduler=name, lr_warmup_steps=4)
+    assert used[:5] == pytest.approx([0, LR / 4, LR / 2, 3 * LR / 4, LR])
+
+
+def test_polynomial_ends_at_lr_end():
+    _, final = lr_sequence(plan_for(10), lr_scheduler="polynomial",
+                           lr_scheduler_params={"power": 2.0, "lr_end": 1e-5})
+    assert final == pytest.approx(1e-5)
+
+
+def test_warmup_longer_than_an_epoch_run_is_an_error_naming_the_keys():
+    plan = TrainingPlan.create(8, 4, 1, 1, steps=None, epochs=1)
+    with pytest.raises(ValueError, match="train.lr_warmup_steps"):
+        TrainingPlan.create(8, 4, 1, 1, steps=None, epochs=1, warmup_steps=plan.total_updates)
+
+
+def test_single_process_run_logs_warmup_and_cosine(tmp_path, registry, tiny_sd15):
+    process = trainer_process(tmp_path, train={"steps": 10, "lr": LR, "lr_scheduler": "cosine",
+                                               "lr_warmup_steps": 4})
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "warm", process)), registry)
+    get_job(config, path, registry).run()
+    logged = [r["lr"] for r in read_metrics(tmp_path / "output" / "warm" / "metrics.jsonl")]
+    expected, final = lr_sequence(plan_for(10, warmup=4), lr_scheduler="cosine", lr_warmup_steps=4)
+    assert logged == pytest.approx(expected)
+    state = json.loads((tmp_path / "output" / "warm" / "checkpoints" / "step_000000010" / "train_state.json").read_text())
+    assert state["lr"] == pytest.approx(final) == 0
+
+
+def run_launched(tmp_path, name: str, processes: int, images: int, **train) -> tuple[list[dict], dict, str]:
+    data = make_images(tmp_path / f"data_{images}", images) if not (tmp_path / f"data_{images}").exists() \
+        else tmp_path / f"data_{images}"
+    process = trainer_process(tmp_path, trigger_word=None, datasets=[{"folder_path": str(data), "resolution": [32]}],
+                              train={"lr": LR, **train})
+    job = write_job(tmp_path / f"{name}.yaml", name, process)
+    result = launch(job, processes, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = tmp_path / "output" / name
+    last = sorted((run_dir / "checkpoints").iterdir())[-1]
+    return read_metrics(run_dir / "metrics.jsonl"), json.loads((last / "train_state.json").read_text()), result.stderr
+
+
+@pytest.mark.multiprocess
+def test_two_processes_accumulation_linear_schedule(tmp_path):
+    """5 images, batch 1, 2 processes, accumulation 2, 1 epoch: ceil(ceil(5/2)/2) = 2 updates."""
+    metrics, state, _ = run_launched(tmp_path, "lin", 2, 5, batch_size=1, steps=None, epochs=1,
+                                     gradient_accumulation=2, lr_scheduler="linear")
+    assert [r["lr"] for r in metrics] == pytest.approx([LR, LR / 2])
+    assert state["global_step"] == 2 and state["world_size"] == 2
+    assert [(r["rank"], r["global_step"], r["lr"]) for r in state["ranks"]] == [(0, 2, 0.0), (1, 2, 0.0)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("batches, processes, epochs", [(7, 3, 2), (11, 2, 1)])
+def test_plan_matches_updates_of_uneven_shards(tmp_path, batches, processes, epochs):
+    plan = TrainingPlan.create(batches, batches, processes, gradient_accumulation=2, steps=None, epochs=epochs)
+    metrics, state, log = run_launched(tmp_path, "uneven", processes, batches, batch_size=1, steps=None,
+                                       epochs=epochs, gradient_accumulation=2)
+    assert len(metrics) == state["global_step"] == plan.total_updates
+    assert [r["epoch"] for r in metrics] == [k // plan.updates_per_epoch for k in range(plan.total_updates)]
+    assert "recomputing the plan" not in log
+
+
+@pytest.mark.multiprocess
+def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_path, registry):
+    """171 samples, batch 4, 2 processes, accumulation 5: 43 batches -> 22 per process -> 5 updates per epoch."""
+    schedule = {"batch_size": 4, "gradient_accumulation": 5, "lr_scheduler": "cosine_with_restarts",
+                "lr_scheduler_params": {"num_cycles": 2}}
+    by_epochs, _, log = run_launched(tmp_path, "by_epochs", 2, 171, steps=None, epochs=6, **schedule)
+    assert "updates per epoch                    5" in log
+    by_steps, _, _ = run_launched(tmp_path, "by_steps", 2, 171, steps=30, **schedule)
+    lrs = [r["lr"] for r in by_epochs]
+    assert len(lrs) == 30 and lrs == pytest.approx([r["lr"] for r in by_steps])
+    assert lrs[15] == pytest.approx(LR) and lrs[14] < LR * 0.05  # the restart
+
+    process = trainer_process(tmp_path, trigger_word=None, train={"lr": LR, "steps": 30, **schedule},
+                              datasets=[{"folder_path": str(tmp_path / "data_171"), "resolution": [32]}])
+    config, path = load_config(str(write_job(tmp_path / "one.yaml", "one", process)), registry)
+    get_job(config, path, registry).run()
+    assert [r["lr"] for r in read_metrics(tmp_path / "output" / "one" / "metrics.jsonl")] == pytest.approx(lrs)
