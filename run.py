@@ -38,6 +38,7 @@ def setup_logging() -> None:
 
 def run_jobs(args: argparse.Namespace) -> int:
     from jobs import build_registry, get_job
+    from jobs.process.base_process import StopRequested
     from toolkit.config import ConfigError, load_config
 
     registry = build_registry(ROOT / "extensions")
@@ -46,6 +47,9 @@ def run_jobs(args: argparse.Namespace) -> int:
         try:
             config, path = load_config(arg, registry, name=args.name, config_root=ROOT / "config")
             get_job(config, path, registry).run()
+        except StopRequested as stop:
+            log.info("%s", stop)
+            return 0
         except ConfigError as err:
             log.error("%s", err)
             failed.append(arg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -36,13 +37,20 @@ def test_name_flag_fills_the_name_and_runs(tmp_path):
     assert (tmp_path / "output" / "cat_v1" / "cat_v1.safetensors").is_file()
 
 
-def test_rerun_refuses_to_overwrite_a_finished_run(tmp_path):
+def test_rerun_of_a_finished_run_changes_nothing_and_resume_false_refuses(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="difftune")
     path = write_job(tmp_path / "job.yaml", "once", trainer_process(tmp_path, train={"steps": 1}))
     assert run.main([str(path)]) == 0
-    lora = tmp_path / "output" / "once" / "once.safetensors"
-    before = lora.read_bytes()
-    assert run.main([str(path)]) == 1
-    assert lora.read_bytes() == before
+    run_dir = tmp_path / "output" / "once"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"}
+    assert run.main([str(path)]) == 0
+    assert "already complete at step 1" in caplog.text
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"} == before
+
+    fresh = write_job(tmp_path / "job.yaml", "once", trainer_process(tmp_path, train={"steps": 1, "resume": False}))
+    assert run.main([str(fresh)]) == 1
+    assert "train.resume is false" in caplog.text and "train.overwrite: true" in caplog.text
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"} == before
 
 
 def _env():

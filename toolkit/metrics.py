@@ -34,3 +34,13 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict]:
     with path.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Keep only the lines of updates up to `step` (atomically); no file, nothing to do."""
+    if not path.is_file():
+        return
+    kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
+    tmp.replace(path)

@@ -18,3 +18,7 @@ class BaseProcess:
 
     def run(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement run()")
+
+
+class StopRequested(Exception):
+    """The user asked the run to stop (Ctrl-C, SIGTERM); the process saved what it needed."""

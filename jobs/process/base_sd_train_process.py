@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint
 from toolkit.config.schema import SDTrainerConfig
 from toolkit.data.buckets import BucketBatchSampler
-from toolkit.data.dataset import ImageDataset, build_dataset, collate
+from toolkit.data.dataset import build_dataset, collate
 from toolkit.device import DTYPES, flush, torch_dtype
-from toolkit.metrics import MetricsWriter
+from toolkit.metrics import MetricsWriter, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
-from toolkit.network.lora import add_lora, lora_state_dict, write_lora_file
+from toolkit.network.lora import compare_lora_state, add_lora, load_lora_file, lora_state_dict, write_lora_file
 from toolkit.sampling import SampleRenderer
+from toolkit.signals import GracefulStop
 from toolkit.train.lr_schedulers import build_lr_scheduler
 from toolkit.train.optimizers import build_optimizer
 from toolkit.train.plan import TrainingPlan
 
+from .base_process import StopRequested
 from .base_train_process import BaseTrainProcess
 
 log = logging.getLogger("difftune")
@@ -45,9 +50,19 @@ class BaseSDTrainProcess(BaseTrainProcess):
     def run(self) -> None:
         self.setup_accelerator()
         try:
-            self.prepare_run_folder()
+            resume_from = self.find_resume_checkpoint()
             self.setup()
-            self.train()
+            if resume_from is not None:
+                self.resume(resume_from)
+            self.open_run_folder()
+            self.open_metrics(resumed=resume_from is not None)
+            if self.position.global_step >= self.plan.total_updates and resume_from is not None:
+                self.report_already_complete()
+                return
+            with GracefulStop() as self.stop:
+                self.train()
+            if self.stop_requested_everywhere():
+                self.stop_with_checkpoint()
             self.finish()
         finally:
             self.teardown_accelerator()
@@ -55,6 +70,9 @@ class BaseSDTrainProcess(BaseTrainProcess):
     # ---- setup ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
+        # Library randomness (LoRA init, dropout) starts from the seed, per rank; DDP copies rank 0's
+        # initial weights to the others. Training draws (noise, timesteps) use their own generators.
+        set_seed(self.config.train.seed, device_specific=True)
         self.adapter = self.load_model()
         self.lora_params = add_lora(
             self.adapter.trainable_module(), self.config.network, self.adapter.lora_target_modules()
@@ -72,8 +90,12 @@ class BaseSDTrainProcess(BaseTrainProcess):
         )
         if self.renderer.enabled:
             self.renderer.check_size(self.adapter.divisor)
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        self.checkpointer = checkpoint.Checkpointer(
+            self.accelerator, self.checkpoints_dir, self.config.save.max_step_saves_to_keep
+        )
         self.position = Position()
+        self.last_saved_step = -1
+        self.stop = GracefulStop()
 
     def load_model(self) -> ModelAdapter:
         adapter_class = get_adapter_class(self.config.model.arch)
@@ -112,6 +134,9 @@ class BaseSDTrainProcess(BaseTrainProcess):
             num_workers=self.config.train.num_workers,
             persistent_workers=self.config.train.num_workers > 0,
             pin_memory=self.accelerator.device.type == "cuda",
+            # Each new iterator draws a worker seed; its own generator keeps that draw out of the global
+            # RNG, so a resumed run (which starts an iterator mid-epoch) sees the same global RNG stream.
+            generator=torch.Generator().manual_seed(self.config.train.seed),
         )
         module, self.optimizer, self.dataloader = self.accelerator.prepare(
             self.adapter.trainable_module(), self.optimizer, dataloader
@@ -129,23 +154,106 @@ class BaseSDTrainProcess(BaseTrainProcess):
             )
             self.plan = self.plan.with_micro_batches(real_micro_batches)
 
+    def open_metrics(self, resumed: bool) -> None:
+        """metrics.jsonl keeps one line per update: lines after the resumed step (an interrupted run's
+        updates that no checkpoint kept) are dropped, a fresh start begins an empty file."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.is_main:
+            truncate_after(path, self.position.global_step if resumed else 0)
+        self.metrics = MetricsWriter(path, enabled=self.is_main)
+
+    # ---- resume --------------------------------------------------------------------------------
+
+    def resume(self, folder: Path) -> None:
+        """Load a checkpoint into the built components; validates before it changes anything."""
+        state = checkpoint.TrainState.read(folder)
+        self.load_trained_state(folder)
+        self.position = self.resumed_position(state)
+        self.fast_forward_lr_scheduler(state)
+        same_world = state.world_size == self.accelerator.num_processes
+        if not self.checkpointer.restore_rng(folder, same_world) and same_world:
+            log.warning("%s: no RNG state for rank %d; library randomness will differ",
+                        folder, self.accelerator.process_index)
+        self.last_saved_step = state.global_step
+        for change in checkpoint.config_changes(state.config, self.config.model_dump(mode="json")):
+            log.info("changed since the checkpoint: %s", change)
+        log.info("resuming from %s at step %d (epoch %d, micro-batch %d)", folder, state.global_step,
+                 self.position.epoch, self.position.micro_batch_in_epoch)
+
+    def load_trained_state(self, folder: Path) -> None:
+        lora_file = folder / checkpoint.LORA_FILE
+        saved_lora = checkpoint.load_safetensors(lora_file)
+        problems = compare_lora_state(self.lora_state(torch.float32), saved_lora)
+        saved_optimizer = checkpoint.load_torch(folder / checkpoint.OPTIMIZER_FILE)
+        problems += checkpoint.optimizer_problems(saved_optimizer, self.optimizer)
+        if problems:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {folder} does not match the current config: " + "; ".join(problems)
+            )
+        load_lora_file(self.adapter.trainable_module(), lora_file, self.adapter.lora_prefix)
+        for change in checkpoint.load_optimizer_keeping_hyperparameters(self.optimizer, saved_optimizer):
+            log.info("optimizer setting changed since the checkpoint: %s", change)
+        scaler = self.accelerator.scaler
+        if scaler is not None and (folder / checkpoint.SCALER_FILE).is_file():
+            scaler.load_state_dict(checkpoint.load_torch(folder / checkpoint.SCALER_FILE))
+
+    def resumed_position(self, state: checkpoint.TrainState) -> Position:
+        epoch, consumed = state.epoch, state.micro_batch_in_epoch
+        processes = self.accelerator.num_processes
+        if state.world_size != processes:
+            log.warning("the checkpoint was written by %d processes, this run has %d: the LR continues at "
+                        "step %d, but the data order from here differs from an uninterrupted run",
+                        state.world_size, processes, state.global_step)
+            consumed = math.ceil(consumed * state.world_size / processes)
+        if consumed >= len(self.dataloader):
+            epoch, consumed = epoch + 1, 0
+        return Position(state.global_step, epoch, consumed)
+
+    def fast_forward_lr_scheduler(self, state: checkpoint.TrainState) -> None:
+        """The LR is a function of the update index: replay the current schedule to the resumed step, so a
+        changed `lr`, `steps` or schedule applies from here on."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+            for _ in range(state.global_step):
+                self.lr_scheduler.step()
+        now = self.lr_scheduler.get_last_lr()[0]
+        if not math.isclose(now, state.lr, rel_tol=1e-9, abs_tol=1e-15):
+            log.info("LR at step %d: %.3g in the checkpoint, %.3g with the current schedule", state.global_step,
+                     state.lr, now)
+
+    def report_already_complete(self) -> None:
+        log.info("training is already complete at step %d (train.steps / epochs give %d); raise them to "
+                 "continue", self.position.global_step, self.plan.total_updates)
+        if self.is_main and not self.final_lora_path.exists():
+            self.write_lora(self.final_lora_path, DTYPES[self.config.save.dtype])
+
     # ---- loop ----------------------------------------------------------------------------------
 
     def train(self) -> None:
         self.trained_module.train()
-        if self.config.sample.sample_at_start:
+        if self.config.sample.sample_at_start and self.position.global_step == 0:
             self.sample(step=0)
-        progress = tqdm(total=self.plan.total_updates, desc="train", unit="step", disable=not self.is_main)
-        while self.position.global_step < self.plan.total_updates:
+        progress = tqdm(total=self.plan.total_updates, initial=self.position.global_step, desc="train",
+                        unit="step", disable=not self.is_main)
+        while self.position.global_step < self.plan.total_updates and not self.stop.requested:
             self.train_epoch(progress)
         progress.close()
 
+    def epoch_batches(self):
+        """This epoch's micro-batches on this process, from the resumed position (skipped, not loaded)."""
+        skip = self.position.micro_batch_in_epoch
+        loader = self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader
+        # accelerate's loader passes its own iteration count to the sampler when iterated; a resumed run
+        # (or a skip loader) starts that count at 0, so set it to the real epoch on both.
+        loader.set_epoch(self.position.epoch)
+        self.batch_sampler.set_epoch(self.position.epoch)
+        return enumerate(loader, start=skip)
+
     def train_epoch(self, progress: tqdm) -> None:
         pos = self.position
-        self.batch_sampler.set_epoch(pos.epoch)
         window: list[torch.Tensor] = []
         started = time.perf_counter()
-        for micro_batch, batch in enumerate(self.dataloader):
+        for micro_batch, batch in self.epoch_batches():
             pos.micro_batch_in_epoch = micro_batch + 1
             with self.accelerator.accumulate(self.trained_module):
                 loss = self.train_step(batch, pos.epoch, micro_batch)
@@ -157,7 +265,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
             if record is not None:
                 record["time"] = time.perf_counter() - started
                 self.after_update(record, progress)
-                if pos.global_step >= self.plan.total_updates:
+                if pos.global_step >= self.plan.total_updates or self.stop_requested_everywhere():
                     return
             window, started = [], time.perf_counter()
         pos.epoch += 1
@@ -199,6 +307,23 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if self.config.sample.sample_every and step % self.config.sample.sample_every == 0:
             self.sample(step)
 
+    def stop_requested_everywhere(self) -> bool:
+        """Whether any process got a stop signal; all processes then stop after the same update."""
+        flag = torch.tensor([float(self.stop.requested)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        self.stop.requested = bool(flag.item() > 0)
+        return self.stop.requested
+
+    def stop_with_checkpoint(self) -> None:
+        if self.last_saved_step != self.position.global_step:
+            self.save_checkpoint()
+        self.metrics.close()
+        raise StopRequested(
+            f"stopped at step {self.position.global_step}; checkpoint saved in {self.checkpoints_dir}. "
+            "Run the same command again to resume."
+        )
+
     # ---- outputs -------------------------------------------------------------------------------
 
     def sample(self, step: int) -> None:
@@ -221,49 +346,52 @@ class BaseSDTrainProcess(BaseTrainProcess):
             "difftune_base_model": facts.get("base_model", ""),
         }
 
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        return lora_state_dict(self.adapter.trainable_module(), self.adapter.lora_prefix, DTYPES[self.config.save.dtype])
+    def lora_state(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return lora_state_dict(self.adapter.trainable_module(), self.adapter.lora_prefix, dtype)
 
-    def write_lora(self, path) -> None:
-        write_lora_file(path, self.lora_state(), self.lora_metadata(), self.adapter.trainable_module(),
+    def write_lora(self, path: Path, dtype: torch.dtype) -> None:
+        write_lora_file(path, self.lora_state(dtype), self.lora_metadata(), self.adapter.trainable_module(),
                         self.adapter.lora_prefix)
 
-    def train_state(self) -> dict:
+    def train_state(self) -> checkpoint.TrainState:
         """Where training is; called on every rank (it gathers each rank's step and LR)."""
         pos = self.position
         lr = self.lr_scheduler.get_last_lr()[0]
-        ranks = gather_object([{"rank": self.accelerator.process_index, "global_step": pos.global_step, "lr": lr}])
-        return {
-            "global_step": pos.global_step,
-            "epoch": pos.epoch,
-            "micro_batch_in_epoch": pos.micro_batch_in_epoch,
-            "world_size": self.accelerator.num_processes,
-            "lr": lr,
-            "ranks": ranks,
-        }
+        config = self.config.model_dump(mode="json")
+        return checkpoint.TrainState(
+            global_step=pos.global_step,
+            epoch=pos.epoch,
+            micro_batch_in_epoch=pos.micro_batch_in_epoch,
+            world_size=self.accelerator.num_processes,
+            lr=lr,
+            config_fingerprint=checkpoint.fingerprint(config),
+            config=config,
+            versions=checkpoint.library_versions(),
+            ranks=gather_object([{"rank": self.accelerator.process_index, "global_step": pos.global_step, "lr": lr}]),
+        )
+
+    def write_checkpoint_payload(self, folder: Path) -> None:
+        """Everything but the RNG files; float32 LoRA so that a resume continues exactly."""
+        self.write_lora(folder / checkpoint.LORA_FILE, torch.float32)
+        torch.save(self.optimizer.state_dict(), folder / checkpoint.OPTIMIZER_FILE)
+        torch.save(self.lr_scheduler.state_dict(), folder / checkpoint.SCHEDULER_FILE)
+        if self.accelerator.scaler is not None:
+            torch.save(self.accelerator.scaler.state_dict(), folder / checkpoint.SCALER_FILE)
 
     def save_checkpoint(self) -> None:
         flush()
-        state = self.train_state()
+        folder = self.checkpointer.save(self.train_state(), self.write_checkpoint_payload)
+        self.last_saved_step = self.position.global_step
         if self.is_main:
-            folder = checkpoint.save_checkpoint(
-                self.run_dir / "checkpoints",
-                self.position.global_step,
-                lambda tmp: self.write_lora(tmp / "lora.safetensors"),
-                state,
-                keep=self.config.save.max_step_saves_to_keep,
-            )
             log.info("saved checkpoint %s", folder)
-        self.accelerator.wait_for_everyone()
 
     def finish(self) -> None:
         step = self.position.global_step
-        if not (self.config.save.save_every and step % self.config.save.save_every == 0):
+        if self.last_saved_step != step:
             self.save_checkpoint()
         if self.is_main:
-            final = self.run_dir / f"{self.job.name}.safetensors"
-            self.write_lora(final)
-            log.info("saved LoRA %s", final)
+            self.write_lora(self.final_lora_path, DTYPES[self.config.save.dtype])
+            log.info("saved LoRA %s", self.final_lora_path)
         self.metrics.close()
         if not (self.config.sample.sample_every and step % self.config.sample.sample_every == 0):
             self.sample(step)

@@ -1,4 +1,4 @@
-"""BaseTrainProcess: the run folder, the resolved config dump and the accelerator."""
+"""BaseTrainProcess: the run folder (start fresh or resume), the resolved config dump and the accelerator."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
+from toolkit import checkpoint
 from toolkit.device import mixed_precision
 
 from .base_process import BaseProcess
@@ -28,6 +29,14 @@ class BaseTrainProcess(BaseProcess):
     @property
     def run_dir(self) -> Path:
         return Path(self.config.training_folder) / self.job.name
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def final_lora_path(self) -> Path:
+        return self.run_dir / f"{self.job.name}.safetensors"
 
     @property
     def is_main(self) -> bool:
@@ -56,27 +65,48 @@ class BaseTrainProcess(BaseProcess):
 
     def teardown_accelerator(self) -> None:
         """Forget accelerate's process-wide state so the next job of this process can choose its own."""
-        self.accelerator.wait_for_everyone()
         AcceleratorState._reset_state(reset_partial_state=False)
         GradientState._reset_state()
 
-    def existing_outputs(self) -> list[Path]:
-        names = ["checkpoints", f"{self.job.name}.safetensors", "metrics.jsonl", "samples"]
-        return [self.run_dir / n for n in names if (self.run_dir / n).exists()]
+    def saved_work(self) -> list[Path]:
+        """What a fresh start would overwrite: complete checkpoints and the final LoRA."""
+        complete, _ = checkpoint.scan_checkpoints(self.checkpoints_dir)
+        return complete + [p for p in [self.final_lora_path] if p.exists()]
 
-    def prepare_run_folder(self) -> None:
-        """Refuse to write over an earlier run unless `train.overwrite`; then dump the resolved config."""
-        existing = self.existing_outputs()
-        if existing and not self.config.train.overwrite:
+    def find_resume_checkpoint(self) -> Path | None:
+        """The checkpoint to continue from, or None to start fresh. Reads only; refuses to overwrite work."""
+        train = self.config.train
+        if train.overwrite:
+            return None
+        if train.resume not in (False, "auto"):
+            folder = Path(train.resume)
+            if not (folder / checkpoint.COMPLETE_MARKER).is_file():
+                raise checkpoint.CheckpointError(f"train.resume: {folder} is not a complete checkpoint folder")
+            return folder
+        complete, incomplete = checkpoint.scan_checkpoints(self.checkpoints_dir)
+        for folder in incomplete:
+            log.warning("ignoring incomplete checkpoint %s (its save did not finish)", folder)
+        if train.resume == "auto" and complete:
+            return complete[-1]
+        if self.saved_work():
+            names = ", ".join(str(p) for p in self.saved_work()[-2:])
+            reason = "train.resume is false" if train.resume is False else "there is no checkpoint to resume from"
             raise RunFolderError(
-                f"run folder {self.run_dir} already holds {', '.join(p.name for p in existing)}; "
+                f"run folder {self.run_dir} already holds saved work ({names}) and {reason}; "
                 "set train.overwrite: true to start over, or choose another config.name"
             )
+        return None
+
+    def open_run_folder(self) -> None:
+        """Remove what `train.overwrite` replaces, then write the resolved config (main process)."""
         self.accelerator.wait_for_everyone()
         if self.is_main:
-            for path in existing:
-                log.warning("train.overwrite: removing %s", path)
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if self.config.train.overwrite:
+                for path in [self.checkpoints_dir, self.final_lora_path, self.run_dir / "metrics.jsonl",
+                             self.run_dir / "samples"]:
+                    if path.exists():
+                        log.warning("train.overwrite: removing %s", path)
+                        shutil.rmtree(path) if path.is_dir() else path.unlink()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             resolved = self.job.config.model_dump(mode="json")
             resolved["config"]["process"] = [self.config.model_dump(mode="json")]

@@ -166,8 +166,20 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trained model.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.",
                              json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
+    resume: bool | str = Field(
+        "auto",
+        description="`auto`: continue from the newest complete checkpoint of this run, if any. A path: continue "
+        "from that checkpoint folder. `false`: start fresh (refused where a run already saved work, unless "
+        "`overwrite`).",
+        json_schema_extra=aka("resume_from_checkpoint"),
+    )
     overwrite: bool = Field(False, description="Start over in a run folder that already holds a finished "
-                            "LoRA or checkpoints (they are removed).")
+                            "LoRA or checkpoints (they are removed). Implies no resume.")
+
+    @field_validator("resume")
+    @classmethod
+    def _auto_or_path(cls, value: bool | str) -> bool | str:
+        return "auto" if value is True else value
 
     @model_validator(mode="after")
     def _length_and_warmup(self) -> TrainConfig:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
-from diffusers.utils import convert_state_dict_to_diffusers
-from peft import LoraConfig, get_peft_model_state_dict
-from safetensors.torch import save_file
+from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
 from ..config.schema import NetworkConfig
 
@@ -56,3 +56,30 @@ def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[s
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(state, str(tmp), metadata=header)
     os.replace(tmp, path)
+
+
+def compare_lora_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
+    """Differences between two LoRA state dicts (keys and shapes), in words; empty when they match."""
+    problems = []
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"{len(missing)} LoRA weights of the current config are not in it (e.g. {missing[0]})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} of its LoRA weights are not in the current config (e.g. {unexpected[0]})")
+    for key in sorted(set(expected) & set(found)):
+        if expected[key].shape != found[key].shape:
+            ours, theirs = tuple(expected[key].shape), tuple(found[key].shape)
+            problems.append(f"{key}: shape {theirs} in the checkpoint vs {ours} now"
+                            + (f" (rank {min(theirs)} vs {min(ours)})" if "lora" in key else ""))
+            break
+    return problems
+
+
+def load_lora_file(module: torch.nn.Module, path: Path, prefix: str) -> None:
+    """Load a LoRA file written by `write_lora_file` back into the module's peft adapter."""
+    state = load_file(str(path))
+    inner = {key[len(prefix) + 1:]: value for key, value in state.items() if key.startswith(f"{prefix}.")}
+    result = set_peft_model_state_dict(module, convert_unet_state_dict_to_peft(inner), adapter_name="default")
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ValueError(f"{path}: weights that match no LoRA layer: {unexpected[:3]}")

@@ -1,0 +1,167 @@
+"""Checkpoints and resume: an interrupted and resumed run logs the same losses and LRs as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import run
+from helpers import REPO, launch, make_images, trainer_process, write_job
+from interrupting_run import interrupt_after
+from toolkit import checkpoint
+from toolkit.metrics import read_metrics
+from toolkit.signals import GracefulStop
+
+STEPS = 12
+
+
+def resume_process(tmp_path, **train) -> dict:
+    """Two datasets, shuffling, accumulation 2, LoRA dropout (so library RNG matters too)."""
+    extra = tmp_path / "extra"
+    if not extra.exists():
+        make_images(extra, 6, size=(64, 64))
+    return trainer_process(
+        tmp_path,
+        network={"linear": 4, "linear_alpha": 4, "dropout": 0.1},
+        datasets=[{"folder_path": str(REPO / "config" / "examples" / "quickstart_data"), "resolution": [64]},
+                  {"folder_path": str(extra), "resolution": [64], "num_repeats": 2}],
+        train={"steps": STEPS, "gradient_accumulation": 2, "lr_scheduler": "linear", **train},
+        save={"save_every": 4, "max_step_saves_to_keep": 3},
+    )
+
+
+def per_update(run_dir) -> list[tuple]:
+    return [(r["step"], r["loss"], r["lr"], r["epoch"]) for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def final_lora(run_dir, name):
+    return load_file(str(run_dir / f"{name}.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("straight")
+    assert run.main([str(write_job(tmp / "job.yaml", "straight", resume_process(tmp)))]) == 0
+    return tmp / "output" / "straight"
+
+
+def test_ctrl_c_then_rerun_continues_exactly_on_one_process(tmp_path, uninterrupted, caplog):
+    caplog.set_level(logging.INFO, logger="difftune")
+    job = write_job(tmp_path / "job.yaml", "straight", resume_process(tmp_path))
+    with interrupt_after(5):
+        assert run.main([str(job)]) == 0
+    run_dir = tmp_path / "output" / "straight"
+    assert "stopped at step 5" in caplog.text and "Run the same command again to resume" in caplog.text
+    assert [p.name for p in checkpoint.scan_checkpoints(run_dir / "checkpoints")[0]] == [
+        "step_000000004", "step_000000005"]
+    assert not (run_dir / "straight.safetensors").exists()
+
+    assert run.main([str(job)]) == 0
+    assert "resuming from" in caplog.text
+    assert per_update(run_dir) == per_update(uninterrupted)  # bit-identical losses and LRs, 1..12
+    ours, theirs = final_lora(run_dir, "straight"), final_lora(uninterrupted, "straight")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
+    job = write_job(tmp_path / "job.yaml", "ddp", resume_process(tmp_path))
+    straight = launch(job, 2, cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    reference = per_update(tmp_path / "output" / "ddp")
+    shutil.move(tmp_path / "output" / "ddp", tmp_path / "reference")
+
+    interrupted = launch(job, 2, cwd=tmp_path, script=REPO / "tests" / "interrupting_run.py",
+                         env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "5"})
+    assert interrupted.returncode == 0, interrupted.stderr[-3000:]
+    assert "stopped at step 5" in interrupted.stderr
+    state = json.loads((tmp_path / "output" / "ddp" / "checkpoints" / "step_000000005" / "train_state.json").read_text())
+    assert [r["global_step"] for r in state["ranks"]] == [5, 5]
+    assert sorted(p.name for p in (tmp_path / "output" / "ddp" / "checkpoints" / "step_000000005").iterdir()) == [
+        "lora.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "scheduler.pt", "train_state.json"]
+
+    resumed = launch(job, 2, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert per_update(tmp_path / "output" / "ddp") == reference
+
+
+def test_incomplete_checkpoints_are_ignored_and_named(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="difftune")
+    short = write_job(tmp_path / "job.yaml", "crash", resume_process(tmp_path, steps=8))
+    assert run.main([str(short)]) == 0
+    checkpoints = tmp_path / "output" / "crash" / "checkpoints"
+    # a save killed before its marker, and one killed while still under its temporary name
+    (checkpoints / "step_000000008" / "train_state.json").unlink()
+    (checkpoints / ".tmp_step_000000010").mkdir()
+    (checkpoints / ".tmp_step_000000010" / "lora.safetensors").write_bytes(b"partial")
+
+    longer = write_job(tmp_path / "job.yaml", "crash", resume_process(tmp_path, steps=STEPS))
+    assert run.main([str(longer)]) == 0
+    assert f"ignoring incomplete checkpoint {checkpoints / 'step_000000008'}" in caplog.text
+    assert f"ignoring incomplete checkpoint {checkpoints / '.tmp_step_000000010'}" in caplog.text
+    assert f"resuming from {checkpoints / 'step_000000004'}" in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path / "output" / "crash" / "metrics.jsonl")] == list(range(1, 13))
+
+
+def test_rank_mismatch_fails_clearly_and_touches_nothing(tmp_path, caplog):
+    first = write_job(tmp_path / "job.yaml", "mismatch", resume_process(tmp_path, steps=4))
+    assert run.main([str(first)]) == 0
+    run_dir = tmp_path / "output" / "mismatch"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    process = resume_process(tmp_path, steps=8)
+    process["network"]["linear"] = 8
+    assert run.main([str(write_job(tmp_path / "job.yaml", "mismatch", process))]) == 1
+    assert "rank 4 vs 8" in caplog.text and str(run_dir / "checkpoints" / "step_000000004") in caplog.text
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_new_steps_lr_and_optimizer_settings_apply_on_resume(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="difftune")
+    base = {"lr_scheduler": "constant", "lr": 1e-3}
+    assert run.main([str(write_job(tmp_path / "job.yaml", "change", resume_process(tmp_path, steps=4, **base)))]) == 0
+    changed = resume_process(tmp_path, steps=6, lr_scheduler="constant", lr=2e-3,
+                             optimizer_params={"weight_decay": 0.1})
+    assert run.main([str(write_job(tmp_path / "job.yaml", "change", changed))]) == 0
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "output" / "change" / "metrics.jsonl")]
+    assert lrs == pytest.approx([1e-3] * 4 + [2e-3] * 2)
+    assert "train.lr: 0.001 -> 0.002" in caplog.text and "train.steps: 4 -> 6" in caplog.text
+    assert "weight_decay 0.01 -> 0.1" in caplog.text
+
+
+@pytest.mark.multiprocess
+def test_resume_on_another_process_count_continues_the_lr(tmp_path, caplog):
+    process = resume_process(tmp_path, steps=4, lr_scheduler="constant")
+    assert run.main([str(write_job(tmp_path / "job.yaml", "grow", process))]) == 0
+    process["train"]["steps"] = 6
+    result = launch(write_job(tmp_path / "job.yaml", "grow", process), 2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "written by 1 processes, this run has 2" in result.stderr and "data order" in result.stderr
+    records = read_metrics(tmp_path / "output" / "grow" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
+    for step in (2, 4, 6, 8):
+        folder = tmp_path / checkpoint.step_dir_name(step)
+        folder.mkdir()
+        (folder / checkpoint.COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "step_000000010").mkdir()  # incomplete: never counted, never pruned
+    checkpoint.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000006", "step_000000008", "step_000000010"]
+
+
+def test_second_ctrl_c_exits_at_once_but_sigterm_only_repeats_the_request():
+    with GracefulStop() as stop:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
