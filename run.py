@@ -36,6 +36,10 @@ def setup_logging() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+def distributed() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def run_jobs(args: argparse.Namespace) -> int:
     from jobs import build_registry, get_job
     from jobs.process.base_process import StopRequested
@@ -56,7 +60,9 @@ def run_jobs(args: argparse.Namespace) -> int:
         except Exception:
             log.exception("job %s failed", arg)
             failed.append(arg)
-        if failed and not args.recover:
+        if failed and (not args.recover or distributed()):
+            if args.recover and distributed():
+                log.error("--recover does not apply under a multi-process launch: a failed process stops the launch")
             break
     if failed:
         log.error("failed: %s", ", ".join(failed))

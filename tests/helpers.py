@@ -65,10 +65,10 @@ def make_images(folder: Path, count: int, size: tuple[int, int] = (32, 32)) -> P
 
 
 def launch(job: Path, processes: int, cwd: Path, script: Path = REPO / "run.py",
-           env: dict | None = None) -> subprocess.CompletedProcess:
+           env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`accelerate launch --multi_gpu --num_processes N run.py job` on the CPU (gloo), as a user would."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1", **(env or {})}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(script), str(job)]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)

@@ -146,8 +146,17 @@ def test_unknown_arch_and_device_are_config_errors(tmp_path, registry):
     path = write_job(tmp_path / "job.yaml", "x", process)
     with pytest.raises(ConfigError) as err:
         load_config(str(path), registry)
-    assert "model.arch" in str(err.value) and "known: sd15" in str(err.value)
-    assert "device" in str(err.value)
+    assert "config.process[0].model.arch:" in str(err.value) and "known: sd15" in str(err.value)
+    assert "config.process[0].device: Value error, 'gpu' is not one of" in str(err.value)
+
+
+def test_optimizer_params_and_polynomial_end_are_checked_with_the_config(tmp_path, registry):
+    process = trainer_process(tmp_path, train={"optimizer_params": {"weight_dcay": 0.1}, "lr_scheduler": "polynomial",
+                                               "lr_scheduler_params": {"lr_end": 1.0}})
+    with pytest.raises(ConfigError) as err:
+        load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)
+    assert "weight_dcay not accepted by adamw (valid: " in str(err.value) and "weight_decay" in str(err.value)
+    assert "`lr_scheduler_params.lr_end` (1.0) must be below `lr`" in str(err.value)
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "config").rglob("*.yaml")), ids=lambda p: p.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from PIL import Image
 
 from helpers import make_image
 from toolkit.config.schema import DatasetConfig
@@ -38,11 +39,15 @@ def test_corrupt_image_is_skipped_and_named(tmp_path, caplog):
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
     truncated = make_image(tmp_path / "cut.png", (64, 64)).read_bytes()
     (tmp_path / "cut.png").write_bytes(truncated[: len(truncated) // 2])
+    noisy = Image.effect_noise((256, 256), 64).convert("RGB")  # incompressible, so half the file is half the image
+    noisy.save(tmp_path / "half.jpg", quality=95)
+    data = (tmp_path / "half.jpg").read_bytes()
+    (tmp_path / "half.jpg").write_bytes(data[: len(data) // 2])
     with caplog.at_level(logging.WARNING, logger="difftune"):
         records = scan_folder(DatasetConfig(folder_path=str(tmp_path)), None)
     assert [r.path.name for r in records] == ["good.png"]
-    assert str(tmp_path / "broken.png") in caplog.text
-    assert str(tmp_path / "cut.png") in caplog.text
+    for name in ("broken.png", "cut.png", "half.jpg"):
+        assert str(tmp_path / name) in caplog.text
 
 
 def test_folder_without_usable_images_fails_naming_it(tmp_path):

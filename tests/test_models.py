@@ -67,3 +67,9 @@ def test_target_follows_the_scheduler_prediction_type(prediction_type):
 def test_unsupported_prediction_type_is_refused():
     with pytest.raises(ValueError, match="sample"):
         DDPMNoiseSchedule(DDPMScheduler(prediction_type="sample"))
+
+
+def test_overlong_prompts_are_found_before_training():
+    adapter = SD15Adapter.load(ModelConfig(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    # the tiny tokenizer is byte level: one token per character, 77 with the start and end tokens
+    assert adapter.overlong_prompts(["a short caption", "x" * 75, "x" * 76]) == [2]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import run
 from helpers import REPO, launch, make_images, trainer_process, write_job
-from interrupting_run import interrupt_after
+from instrumented_run import interrupt_after
 from toolkit import checkpoint
 from toolkit.metrics import read_metrics
 from toolkit.signals import GracefulStop
@@ -77,7 +77,7 @@ def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
     reference = per_update(tmp_path / "output" / "ddp")
     shutil.move(tmp_path / "output" / "ddp", tmp_path / "reference")
 
-    interrupted = launch(job, 2, cwd=tmp_path, script=REPO / "tests" / "interrupting_run.py",
+    interrupted = launch(job, 2, cwd=tmp_path, script=REPO / "tests" / "instrumented_run.py",
                          env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "5"})
     assert interrupted.returncode == 0, interrupted.stderr[-3000:]
     assert "stopped at step 5" in interrupted.stderr

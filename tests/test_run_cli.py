@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import run
-from helpers import REPO, trainer_process, write_job
+from helpers import REPO, launch, trainer_process, write_job
 from toolkit.metrics import read_metrics
 
 
@@ -84,3 +84,13 @@ def test_accelerate_launch_two_processes_on_cpu(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
     state = json.loads((run_dir / "checkpoints" / "step_000000003" / "train_state.json").read_text())
     assert state["world_size"] == 2 and state["global_step"] == steps
+
+
+@pytest.mark.multiprocess
+def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
+    """One rank raising must not leave the others waiting at a barrier: the launch fails, naming the error."""
+    path = write_job(tmp_path / "job.yaml", "fail", trainer_process(tmp_path, train={"steps": 20}))
+    result = launch(path, 2, cwd=tmp_path, script=REPO / "tests" / "instrumented_run.py",
+                    env={"DIFFTUNE_TEST_FAIL_RANK": "1"}, timeout=180)
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr

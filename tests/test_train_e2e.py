@@ -9,7 +9,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors import safe_open
 
-from helpers import trainer_process, write_job
+from helpers import make_images, trainer_process, write_job
 from jobs import get_job
 from toolkit.config import load_config
 from toolkit.data.dataset import build_dataset, load_pixels
@@ -58,11 +58,22 @@ def test_outputs_follow_the_documented_layout(trained):
     assert (run_dir / "e2e.safetensors").is_file()
     # steps 25 and 50 saved by save_every, 60 at the end; two kept
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000050", "step_000000060"]
-    state = json.loads((run_dir / "checkpoints" / "step_000000060" / "train_state.json").read_text())
+    last = run_dir / "checkpoints" / "step_000000060"
+    assert sorted(p.name for p in last.iterdir()) == [
+        "lora.safetensors", "optimizer.pt", "rng_rank0.pt", "scheduler.pt", "train_state.json"]
+    state = json.loads((last / "train_state.json").read_text())
     assert state["global_step"] == UPDATES and state["world_size"] == 1
+    # 4 micro-batches per epoch: update 60 consumed all of epoch 14
+    assert state["epoch"] == 14 and state["micro_batch_in_epoch"] == 4
+    assert {"torch", "diffusers", "peft"} <= set(state["versions"]) and state["config_fingerprint"]
     assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [
         "step_000000030_0.png", "step_000000060_0.png"
     ]
+
+
+def test_sampling_hands_the_model_back_in_training_mode(trained):
+    process, _ = trained
+    assert process.trained_module.training  # samples were rendered at steps 30 and 60
 
 
 def test_metrics_have_one_line_per_update(trained):
@@ -132,3 +143,35 @@ def test_accumulation_epochs_bf16_and_checkpointing(tmp_path, registry, tiny_sd1
     assert trainer.mixed_precision == "bf16"
     assert trainer.adapter.unet.is_gradient_checkpointing
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+
+
+def test_a_short_last_accumulation_window_gets_the_full_gradient(tmp_path, registry, tiny_sd15):
+    """Two images, batch 2: one micro-batch per epoch. With accumulation 2 every update is a short window of
+    one micro-batch, so training must match accumulation 1 exactly (same losses, norms and weights)."""
+    data = make_images(tmp_path / "two", 2, size=(64, 64))
+    runs = {}
+    for accumulation in (1, 2):
+        process = trainer_process(tmp_path, datasets=[{"folder_path": str(data), "resolution": [64]}],
+                                  train={"steps": 3, "gradient_accumulation": accumulation})
+        name = f"acc{accumulation}"
+        config, path = load_config(str(write_job(tmp_path / f"{name}.yaml", name, process)), registry)
+        get_job(config, path, registry).run()
+        runs[accumulation] = read_metrics(tmp_path / "output" / name / "metrics.jsonl")
+    strip = [[(r["loss"], r["grad_norm"]) for r in records] for records in runs.values()]
+    assert strip[0] == strip[1]
+
+
+def test_max_grad_norm_clips_the_update(tmp_path, registry, tiny_sd15):
+    """Adam barely moves weights whose gradients were clipped far below its eps; the logged norm is pre-clip."""
+    moved = {}
+    for max_norm in (0.0, 1e-12):
+        process = trainer_process(tmp_path, train={"steps": 2, "max_grad_norm": max_norm})
+        name = f"clip{max_norm}"
+        config, path = load_config(str(write_job(tmp_path / f"{name}.yaml", name, process)), registry)
+        job = get_job(config, path, registry)
+        job.run()
+        lora_up = [p for n, p in job.processes[0].adapter.unet.named_parameters() if "lora_B" in n]
+        moved[max_norm] = max(p.abs().max().item() for p in lora_up)
+        norms = [r["grad_norm"] for r in read_metrics(tmp_path / "output" / name / "metrics.jsonl")]
+        assert norms[0] > 1e-6
+    assert moved[1e-12] < moved[0.0] * 1e-3

@@ -114,9 +114,13 @@ def commit(tmp: Path, state: TrainState) -> Path:
     """Write the completion marker, then move the folder to its final name."""
     (tmp / COMPLETE_MARKER).write_text(state.to_json(), encoding="utf-8")
     final = tmp.with_name(tmp.name[len(TMP_PREFIX):])
-    if final.exists():
-        shutil.rmtree(final)
+    replaced = None
+    if final.exists():  # the same step saved again (resumed from an older checkpoint): swap, then delete
+        replaced = final.with_name(f"{TMP_PREFIX}replaced_{final.name}")
+        final.rename(replaced)
     tmp.rename(final)
+    if replaced is not None:
+        shutil.rmtree(replaced)
     return final
 
 

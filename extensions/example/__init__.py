@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
+from accelerate import PartialState
 from pydantic import Field
 
 from jobs.process.base_process import BaseProcess
@@ -37,9 +38,13 @@ class DatasetReport(BaseProcess):
 
     def run(self) -> None:
         report = [self.describe(cfg) for cfg in self.config.datasets]
+        if not PartialState().is_main_process:  # under accelerate launch, one process writes
+            return
         out = Path(self.config.training_folder) / self.job.name / "dataset_report.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        tmp.replace(out)
         log.info("dataset report written to %s", out)
 
     def describe(self, cfg: DatasetConfig) -> dict:

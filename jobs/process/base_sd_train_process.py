@@ -26,7 +26,7 @@ from toolkit.sampling import SampleRenderer
 from toolkit.signals import GracefulStop
 from toolkit.train.lr_schedulers import build_lr_scheduler
 from toolkit.train.optimizers import build_optimizer
-from toolkit.train.plan import TrainingPlan
+from toolkit.train.plan import TrainingPlan, accumulation_window
 
 from .base_process import StopRequested
 from .base_train_process import BaseTrainProcess
@@ -78,6 +78,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
             self.adapter.trainable_module(), self.config.network, self.adapter.lora_target_modules()
         )
         self.dataset = build_dataset(self.config.datasets, self.config.trigger_word, self.adapter.divisor)
+        self.warn_overlong_captions()
         self.batch_sampler = BucketBatchSampler(
             self.dataset.bucket_keys(), self.config.train.batch_size, self.config.train.seed
         )
@@ -108,6 +109,13 @@ class BaseSDTrainProcess(BaseTrainProcess):
             adapter.trainable_module().enable_gradient_checkpointing()
         log.info("model: %s", adapter.describe())
         return adapter
+
+    def warn_overlong_captions(self) -> None:
+        records = list({item.record.path: item.record for item in self.dataset.items}.values())
+        cut = self.adapter.overlong_prompts([r.caption for r in records])
+        if cut:
+            log.warning("%d captions are longer than the text encoder takes and will be cut, e.g. %s",
+                        len(cut), records[cut[0]].path)
 
     def make_plan(self) -> TrainingPlan:
         train = self.config.train
@@ -257,7 +265,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
             pos.micro_batch_in_epoch = micro_batch + 1
             with self.accelerator.accumulate(self.trained_module):
                 loss = self.train_step(batch, pos.epoch, micro_batch)
-                self.accelerator.backward(loss)
+                self.accelerator.backward(loss * self.loss_scale(micro_batch))
                 window.append(loss.detach())
                 if not self.accelerator.sync_gradients:
                     continue
@@ -270,6 +278,12 @@ class BaseSDTrainProcess(BaseTrainProcess):
             window, started = [], time.perf_counter()
         pos.epoch += 1
         pos.micro_batch_in_epoch = 0
+
+    def loss_scale(self, micro_batch: int) -> float:
+        """accelerate divides every loss by `gradient_accumulation`; a short last window of k micro-batches
+        is scaled back up by A / k so that its gradient is the mean over its k micro-batches."""
+        accumulation = self.config.train.gradient_accumulation
+        return accumulation / accumulation_window(micro_batch, self.plan.micro_batches_per_epoch, accumulation)
 
     def train_step(self, batch: dict, epoch: int, micro_batch: int) -> torch.Tensor:
         """The loss of one micro-batch; the trainer subclass defines it."""

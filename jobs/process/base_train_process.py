@@ -110,5 +110,7 @@ class BaseTrainProcess(BaseProcess):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             resolved = self.job.config.model_dump(mode="json")
             resolved["config"]["process"] = [self.config.model_dump(mode="json")]
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8")
+            tmp = self.run_dir / ".config.yaml.tmp"
+            tmp.write_text(yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8")
+            tmp.replace(self.run_dir / "config.yaml")
         self.accelerator.wait_for_everyone()

@@ -130,6 +130,17 @@ class LRSchedulerParams(Section):
     lr_end: float = Field(0.0, ge=0, description="polynomial: final LR.")
 
 
+def optimizer_param_problems(name: str, params: dict[str, Any]) -> list[str]:
+    """Keys of `optimizer_params` the chosen optimizer does not take (checked before any model loads)."""
+    from ..train.optimizers import accepted_params
+
+    accepted = accepted_params(name)
+    unknown = sorted(set(params) - accepted)
+    if not unknown:
+        return []
+    return [f"`optimizer_params` {', '.join(unknown)} not accepted by {name} (valid: {', '.join(sorted(accepted))})"]
+
+
 class TrainConfig(Section):
     """The optimisation loop. A `step` is one optimizer update everywhere."""
 
@@ -190,6 +201,10 @@ class TrainConfig(Section):
             problems.append("give `lr_warmup_steps` or `lr_warmup_ratio`, not both")
         if self.steps is not None and self.lr_warmup_steps >= self.steps:
             problems.append(f"`lr_warmup_steps` ({self.lr_warmup_steps}) must be shorter than `steps` ({self.steps})")
+        if self.lr_scheduler == "polynomial" and self.lr_scheduler_params.lr_end >= self.lr:
+            problems.append(f"`lr_scheduler_params.lr_end` ({self.lr_scheduler_params.lr_end}) must be below `lr` "
+                            f"({self.lr})")
+        problems += optimizer_param_problems(self.optimizer, self.optimizer_params)
         if problems:
             raise ValueError("; ".join(problems))
         return self

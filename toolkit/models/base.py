@@ -82,6 +82,10 @@ class ModelAdapter(ABC):
     @abstractmethod
     def device(self) -> torch.device: ...
 
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        """Indices of prompts the text encoder will cut; families without a limit return none."""
+        return []
+
     def describe(self) -> dict[str, str]:
         """Facts recorded in output metadata."""
         return {"arch": self.arch}

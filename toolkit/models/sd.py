@@ -117,6 +117,11 @@ class SD15Adapter(ModelAdapter):
         embeds = self.text_encoder(tokens.input_ids.to(self.text_encoder.device))[0]
         return PromptEmbeds(embeds)
 
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        limit = self.tokenizer.model_max_length
+        lengths = [len(ids) for ids in self.tokenizer(prompts, truncation=False).input_ids]
+        return [i for i, length in enumerate(lengths) if length > limit]
+
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         pixels = pixels.to(device=self.vae.device, dtype=self.vae.dtype)

@@ -92,3 +92,13 @@ class TrainingPlan:
         if self.requested_steps is not None and self.requested_epochs is not None:
             lines.append(f"  train.steps ({self.requested_steps}) wins over train.epochs ({self.requested_epochs})")
         return "\n".join(lines)
+
+
+def accumulation_window(micro_batch: int, micro_batches_per_epoch: int, gradient_accumulation: int) -> int:
+    """How many micro-batches the update that `micro_batch` (0-based, in its epoch) belongs to has.
+
+    Every window is full except, possibly, an epoch's last; a short window's gradient must be the mean over
+    its own micro-batches, not shrunk by the missing ones.
+    """
+    start = micro_batch // gradient_accumulation * gradient_accumulation
+    return min(gradient_accumulation, micro_batches_per_epoch - start)
