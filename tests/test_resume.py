@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -157,11 +158,14 @@ def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000006", "step_000000008", "step_000000010"]
 
 
-def test_second_ctrl_c_exits_at_once_but_sigterm_only_repeats_the_request():
-    with GracefulStop() as stop:
-        signal.raise_signal(signal.SIGTERM)
+def test_second_ctrl_c_exits_at_once_but_repeats_of_the_request_do_not():
+    with GracefulStop(repeat_window=0.2) as stop:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the launcher forwarding the same Ctrl-C
         signal.raise_signal(signal.SIGTERM)
         assert stop.requested
+        time.sleep(0.3)
+        signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
