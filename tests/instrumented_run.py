@@ -2,11 +2,14 @@
 
 - DIFFTUNE_TEST_INTERRUPT_AFTER=N: the main process sends itself SIGINT right after update N (a real
   Ctrl-C through the real signal handler, timed deterministically);
-- DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch.
+- DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch;
+- DIFFTUNE_TEST_RECORD_INDICES=DIR: every process appends the sample indices of each micro-batch to
+  DIR/rank<R>.jsonl as {"epoch": e, "indices": [...]}.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -53,10 +56,31 @@ def fail_on_rank(rank: int):
         SDTrainer.train_step = original
 
 
+@contextmanager
+def record_indices(folder: Path):
+    from jobs.process.sd_trainer import SDTrainer
+
+    original = SDTrainer.train_step
+
+    def train_step(self, batch, epoch, micro_batch):
+        line = json.dumps({"epoch": epoch, "indices": batch["indices"].tolist()})
+        with (folder / f"rank{self.accelerator.process_index}.jsonl").open("a") as handle:
+            handle.write(line + "\n")
+        return original(self, batch, epoch, micro_batch)
+
+    SDTrainer.train_step = train_step
+    try:
+        yield
+    finally:
+        SDTrainer.train_step = original
+
+
 if __name__ == "__main__":
     with ExitStack() as instruments:
         if "DIFFTUNE_TEST_INTERRUPT_AFTER" in os.environ:
             instruments.enter_context(interrupt_after(int(os.environ["DIFFTUNE_TEST_INTERRUPT_AFTER"])))
         if "DIFFTUNE_TEST_FAIL_RANK" in os.environ:
             instruments.enter_context(fail_on_rank(int(os.environ["DIFFTUNE_TEST_FAIL_RANK"])))
+        if "DIFFTUNE_TEST_RECORD_INDICES" in os.environ:
+            instruments.enter_context(record_indices(Path(os.environ["DIFFTUNE_TEST_RECORD_INDICES"])))
         sys.exit(run.main(sys.argv[1:]))

@@ -169,3 +169,17 @@ def test_second_ctrl_c_exits_at_once_but_repeats_of_the_request_do_not():
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_resume_stays_exact_with_both_caches_and_shuffled_tokens(tmp_path):
+    process = resume_process(tmp_path, steps=8, cache_text_embeddings=True)
+    for dataset in process["datasets"]:
+        dataset.update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"), shuffle_tokens=True,
+                       caption_dropout_rate=0.2)
+    straight = write_job(tmp_path / "a.yaml", "cached_a", process)
+    assert run.main([str(straight)]) == 0
+    stopped = write_job(tmp_path / "b.yaml", "cached_b", process)
+    with interrupt_after(3):
+        assert run.main([str(stopped)]) == 0
+    assert run.main([str(stopped)]) == 0
+    assert per_update(tmp_path / "output" / "cached_b") == per_update(tmp_path / "output" / "cached_a")

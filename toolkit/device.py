@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 
 import torch
 
@@ -33,3 +34,17 @@ def flush() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextmanager
+def modules_on(modules: list[torch.nn.Module], device: torch.device):
+    """Bring modules that were moved off the accelerator back for a while (e.g. to render samples)."""
+    homes = [next(module.parameters()).device for module in modules]
+    for module in modules:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module, home in zip(modules, homes):
+            module.to(home)
+        flush()

@@ -18,7 +18,9 @@ from toolkit import checkpoint
 from toolkit.config.schema import SDTrainerConfig
 from toolkit.data.buckets import BucketBatchSampler
 from toolkit.data.dataset import build_dataset, collate
-from toolkit.device import DTYPES, flush, torch_dtype
+from toolkit.data.latent_cache import LatentCache, cache_root
+from toolkit.data.text_cache import CachedCaptions, LiveCaptions
+from toolkit.device import DTYPES, flush, modules_on, torch_dtype
 from toolkit.metrics import MetricsWriter, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
 from toolkit.network.lora import compare_lora_state, add_lora, load_lora_file, lora_state_dict, write_lora_file
@@ -73,12 +75,14 @@ class BaseSDTrainProcess(BaseTrainProcess):
         # Library randomness (LoRA init, dropout) starts from the seed, per rank; DDP copies rank 0's
         # initial weights to the others. Training draws (noise, timesteps) use their own generators.
         set_seed(self.config.train.seed, device_specific=True)
+        self.offloaded: list[torch.nn.Module] = []
         self.adapter = self.load_model()
         self.lora_params = add_lora(
             self.adapter.trainable_module(), self.config.network, self.adapter.lora_target_modules()
         )
         self.dataset = build_dataset(self.config.datasets, self.config.trigger_word, self.adapter.divisor)
         self.warn_overlong_captions()
+        self.build_caches()
         self.batch_sampler = BucketBatchSampler(
             self.dataset.bucket_keys(), self.config.train.batch_size, self.config.train.seed
         )
@@ -116,6 +120,33 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if cut:
             log.warning("%d captions are longer than the text encoder takes and will be cut, e.g. %s",
                         len(cut), records[cut[0]].path)
+
+    def build_caches(self) -> None:
+        """Latent and text-embedding caches as the config asks; encoders that are no longer needed in the
+        loop then leave the accelerator (they come back only to render samples)."""
+        cfgs, train = self.config.datasets, self.config.train
+        roots = {i: cache_root(cfg.folder_path, cfg.cache_dir) for i, cfg in enumerate(cfgs)}
+        caching = {i: roots[i] for i, cfg in enumerate(cfgs) if cfg.cache_latents or cfg.cache_latents_to_disk}
+        if caching:
+            cache = LatentCache(self.dataset, caching, {i: cfgs[i].cache_latents_to_disk for i in caching},
+                                self.adapter.encoder_identity("image"))
+            cache.build(self.adapter, self.accelerator)
+            self.dataset.latents = cache
+            if cache.covers_everything:
+                self.offload(self.adapter.image_encoder_modules())
+        if train.cache_text_embeddings:
+            self.conditioning = CachedCaptions(self.adapter, self.dataset, cfgs, train.seed, self.config.trigger_word,
+                                               roots)
+            self.conditioning.build(self.accelerator)
+            self.offload(self.adapter.text_encoder_modules())
+        else:
+            self.conditioning = LiveCaptions(self.adapter, self.dataset, cfgs, train.seed, self.config.trigger_word)
+
+    def offload(self, modules: list[torch.nn.Module]) -> None:
+        for module in modules:
+            module.to("cpu")
+        self.offloaded += modules
+        flush()
 
     def make_plan(self) -> TrainingPlan:
         train = self.config.train
@@ -255,6 +286,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         # (or a skip loader) starts that count at 0, so set it to the real epoch on both.
         loader.set_epoch(self.position.epoch)
         self.batch_sampler.set_epoch(self.position.epoch)
+        self.conditioning.start_epoch(self.position.epoch)
         return enumerate(loader, start=skip)
 
     def train_epoch(self, progress: tqdm) -> None:
@@ -345,7 +377,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
             return
         if self.is_main:
             self.trained_module.eval()
-            self.renderer.render(self.adapter, step)
+            with modules_on(self.offloaded, self.accelerator.device):
+                self.renderer.render(self.adapter, step)
             self.trained_module.train()
             flush()
         self.accelerator.wait_for_everyone()

@@ -103,6 +103,24 @@ class DatasetConfig(Section):
     num_repeats: int = Field(1, ge=1, description="How often each image appears per epoch.",
                              json_schema_extra=aka("repeats", "num_repeat"))
     is_reg: bool = Field(False, description="Regularisation images: the trigger word is not added.")
+    shuffle_tokens: bool = Field(False, description="Shuffle the comma-separated caption segments every epoch, "
+                                 "keeping the first `keep_tokens` in place. With cached text embeddings the "
+                                 "cached token positions are permuted instead.",
+                                 json_schema_extra=aka("shuffle_caption"))
+    keep_tokens: int = Field(1, ge=0, description="Leading caption segments that shuffling and token dropout "
+                             "leave alone.")
+    caption_dropout_rate: float = Field(0.0, ge=0, le=1, description="Probability that a sample's caption is "
+                                        "replaced by the blank prompt.",
+                                        json_schema_extra=aka("caption_dropout", "caption_dropout_probability"))
+    token_dropout_rate: float = Field(0.0, ge=0, le=1, description="Probability that each caption segment "
+                                      "after the kept ones is dropped (never the trigger word's). Needs "
+                                      "uncached text embeddings.")
+    cache_latents: bool = Field(False, description="Encode every image once before training and keep the "
+                                "latents in memory (every process encodes all of them).")
+    cache_latents_to_disk: bool = Field(False, description="Encode every image once and keep the latents in "
+                                        "the cache folder, reused by later runs; processes share the work.")
+    cache_dir: str | None = Field(None, description="Cache folder; default `<folder_path>/_difftune_cache`. "
+                                  "Safe to delete.")
 
     @field_validator("resolution", mode="before")
     @classmethod
@@ -175,6 +193,9 @@ class TrainConfig(Section):
     )
     seed: int = Field(42, description="Seed of data order, noise and timesteps.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trained model.")
+    cache_text_embeddings: bool = Field(False, description="Encode every distinct caption once before training "
+                                        "(cached in the datasets' cache folders), then move the text encoder "
+                                        "off the accelerator.", json_schema_extra=aka("cache_text_encoder_outputs"))
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.",
                              json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
     resume: bool | str = Field(
@@ -248,6 +269,15 @@ class SDTrainerConfig(Section):
     train: TrainConfig = Field(..., description="See below.")
     save: SaveConfig = Field(SaveConfig(), description="See below.")
     sample: SampleConfig = Field(SampleConfig(), description="See below.")
+
+    @model_validator(mode="after")
+    def _token_dropout_needs_captions(self) -> SDTrainerConfig:
+        if self.train.cache_text_embeddings:
+            bad = [i for i, d in enumerate(self.datasets) if d.token_dropout_rate > 0]
+            if bad:
+                raise ValueError(f"datasets[{bad[0]}].token_dropout_rate drops caption words, which cached text "
+                                 "embeddings no longer have; turn off train.cache_text_embeddings or the dropout")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -35,10 +35,11 @@ class ImageRecord:
 
 @dataclass(frozen=True)
 class TrainItem:
-    """One entry of an epoch: an image at one bucket size."""
+    """One entry of an epoch: an image at one bucket size, from dataset number `dataset` of the job."""
 
     record: ImageRecord
     bucket: tuple[int, int]
+    dataset: int = 0
 
 
 def read_image_size(path: Path) -> tuple[int, int]:
@@ -75,14 +76,14 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None) -> list[ImageRecor
     return records
 
 
-def items_for_dataset(records: list[ImageRecord], cfg: DatasetConfig, divisor: int) -> list[TrainItem]:
+def items_for_dataset(records: list[ImageRecord], cfg: DatasetConfig, divisor: int, dataset: int = 0) -> list[TrainItem]:
     """Each image at each of its training sizes, in its nearest bucket, `num_repeats` times."""
     sizes = {r: bucket_sizes(r, divisor) for r in cfg.resolution}
     items = []
     for record in records:
         for resolution in resolutions_for_image(record.width, record.height, cfg.resolution):
             bucket = nearest_bucket(record.width, record.height, sizes[resolution])
-            items.append(TrainItem(record, bucket))
+            items.append(TrainItem(record, bucket, dataset))
     return items * cfg.num_repeats
 
 
@@ -104,35 +105,52 @@ def load_pixels(item: TrainItem) -> torch.Tensor:
 
 
 class ImageDataset(torch.utils.data.Dataset):
-    """All datasets of a job as one list of items; batches are formed by the bucket sampler."""
+    """All datasets of a job as one list of items; batches are formed by the bucket sampler.
+
+    With a latent cache attached, covered items come as the cached latent distribution instead of pixels
+    (no image is decoded); a batch never mixes the two (see `bucket_keys`).
+    """
 
     def __init__(self, items: list[TrainItem]):
         self.items = items
+        self.latents = None
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> dict:
         item = self.items[index]
-        return {"pixels": load_pixels(item), "caption": item.record.caption, "index": index}
+        sample = {"caption": item.record.caption, "index": index}
+        if self.latents is not None and self.latents.covers(index):
+            dist = self.latents.get(index)
+            sample["latent_mean"] = dist.mean
+            if dist.std is not None:
+                sample["latent_std"] = dist.std
+        else:
+            sample["pixels"] = load_pixels(item)
+        return sample
 
-    def bucket_keys(self) -> list[tuple[int, int]]:
-        return [item.bucket for item in self.items]
+    def bucket_keys(self) -> list[tuple]:
+        cached = self.latents.covers if self.latents is not None else (lambda index: False)
+        return [(*item.bucket, cached(i)) for i, item in enumerate(self.items)]
 
 
 def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: int) -> ImageDataset:
     items: list[TrainItem] = []
-    for cfg in cfgs:
-        items += items_for_dataset(scan_folder(cfg, trigger_word), cfg, divisor)
+    for number, cfg in enumerate(cfgs):
+        items += items_for_dataset(scan_folder(cfg, trigger_word), cfg, divisor, number)
     return ImageDataset(items)
 
 
 def collate(samples: list[dict]) -> dict:
-    sizes = {tuple(s["pixels"].shape) for s in samples}
-    if len(sizes) != 1:
-        raise ValueError(f"a batch mixes image sizes {sorted(sizes)}; batches must come from one bucket")
-    return {
-        "pixels": torch.stack([s["pixels"] for s in samples]),
-        "captions": [s["caption"] for s in samples],
-        "indices": torch.tensor([s["index"] for s in samples]),
-    }
+    """Stack a batch; every sample must have the same fields and tensor shapes (one bucket)."""
+    batch = {"captions": [s["caption"] for s in samples], "indices": torch.tensor([s["index"] for s in samples])}
+    for field in ("pixels", "latent_mean", "latent_std"):
+        present = [s[field] for s in samples if field in s]
+        if not present:
+            continue
+        shapes = {tuple(t.shape) for t in present}
+        if len(present) != len(samples) or len(shapes) != 1:
+            raise ValueError(f"a batch mixes {field} shapes {sorted(shapes)}; batches must come from one bucket")
+        batch[field] = torch.stack(present)
+    return batch

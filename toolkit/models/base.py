@@ -13,14 +13,26 @@ from ..config.schema import ModelConfig
 
 @dataclass
 class PromptEmbeds:
-    """Text conditioning of a batch: per-token embeddings, and a mask where the family uses one."""
+    """Text conditioning of a batch: per-token embeddings, a mask where the family uses one, and each
+    prompt's token count (start and end tokens included) for token shuffling of cached embeddings."""
 
     embeds: torch.Tensor
     attention_mask: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PromptEmbeds:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return PromptEmbeds(self.embeds.to(device=device, dtype=dtype), mask)
+        return PromptEmbeds(self.embeds.to(device=device, dtype=dtype), mask, self.lengths)
+
+
+@dataclass
+class LatentDist:
+    """What the image encoder says about one image before sampling: a mean, and a std when the encoder
+    is a VAE (None for deterministic encoders). Cached latents store this, so every epoch can still draw
+    its own sample."""
+
+    mean: torch.Tensor
+    std: torch.Tensor | None = None
 
 
 class NoiseSchedule(ABC):
@@ -57,8 +69,27 @@ class ModelAdapter(ABC):
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds: ...
 
     @abstractmethod
+    def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
+        """Pixels in [-1, 1], NCHW -> the encoder's output before sampling."""
+
+    @abstractmethod
+    def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A sample of the latents the denoiser trains on (scaled as the family needs), float32."""
+
     def encode_images(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Pixels in [-1, 1], NCHW -> latents the denoiser trains on."""
+        return self.latents_from_dist(self.encode_latent_dist(pixels), generator)
+
+    @abstractmethod
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        """Modules that turn images into latents; they may leave the accelerator once latents are cached."""
+
+    @abstractmethod
+    def text_encoder_modules(self) -> list[torch.nn.Module]:
+        """Modules that turn prompts into embeddings; they may leave the accelerator once embeddings are cached."""
+
+    @abstractmethod
+    def encoder_identity(self, part: str) -> str:
+        """A string that changes whenever `part` ("image" or "text") would encode differently: cache keys."""
 
     @abstractmethod
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
 from ..paths import normalize_path
-from .base import ModelAdapter, NoiseSchedule, PromptEmbeds
+from .base import LatentDist, ModelAdapter, NoiseSchedule, PromptEmbeds
 from .tiny import ensure_tiny_sd15
 
 
@@ -115,7 +116,7 @@ class SD15Adapter(ModelAdapter):
             return_tensors="pt",
         )
         embeds = self.text_encoder(tokens.input_ids.to(self.text_encoder.device))[0]
-        return PromptEmbeds(embeds)
+        return PromptEmbeds(embeds, lengths=tokens.attention_mask.sum(dim=1))
 
     def overlong_prompts(self, prompts: list[str]) -> list[int]:
         limit = self.tokenizer.model_max_length
@@ -123,13 +124,28 @@ class SD15Adapter(ModelAdapter):
         return [i for i, length in enumerate(lengths) if length > limit]
 
     @torch.no_grad()
-    def encode_images(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
         pixels = pixels.to(device=self.vae.device, dtype=self.vae.dtype)
         posterior = self.vae.encode(pixels).latent_dist
-        # Draw the posterior sample on the CPU generator so it does not depend on the device.
-        eps = torch.randn(posterior.mean.shape, generator=generator, dtype=torch.float32)
-        latents = posterior.mean + posterior.std * eps.to(posterior.mean.device, posterior.mean.dtype)
-        return latents * self.vae.config.scaling_factor
+        return LatentDist(posterior.mean, posterior.std)
+
+    def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
+        # The posterior sample is drawn on a CPU generator so it does not depend on the device.
+        mean, std = dist.mean.float(), dist.std.float()
+        eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
+        return (mean + std * eps.to(mean.device)) * self.vae.config.scaling_factor
+
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.vae]
+
+    def text_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.text_encoder]
+
+    def encoder_identity(self, part: str) -> str:
+        module = {"image": self.vae, "text": self.text_encoder}[part]
+        config = module.config.to_json_string() if hasattr(module.config, "to_json_string") else str(module.config)
+        digest = hashlib.sha256(f"{self.source}|{module.dtype}|{config}".encode()).hexdigest()[:16]
+        return f"{self.arch}-{part}-{digest}"
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         unet_dtype = self.unet.dtype

@@ -74,6 +74,11 @@ class TrainingPlan:
             epochs=math.ceil(total / updates_per_epoch),
         )
 
+    @property
+    def repeated_batches(self) -> int:
+        """accelerate repeats the first few batches so that every process gets as many as the others."""
+        return self.micro_batches_per_epoch * self.processes - self.batches
+
     def describe(self) -> str:
         rows = [
             ("samples", self.samples),
@@ -85,6 +90,7 @@ class TrainingPlan:
             ("total updates", self.total_updates),
             ("warmup updates", self.warmup_updates),
             ("epochs", self.epochs),
+            ("batches repeated to even shards", self.repeated_batches),
         ]
         width = max(len(name) for name, _ in rows)
         lines = ["training plan (a step is one optimizer update):"]

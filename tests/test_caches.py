@@ -1,0 +1,216 @@
+"""Captions, the latent cache and the text-embedding cache: fresh, exact, and correct on every process."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import REPO, launch, make_image, make_images, trainer_process, write_job
+from jobs import get_job
+from toolkit.config import load_config
+from toolkit.config.schema import DatasetConfig, ModelConfig
+from toolkit.data.captions import process_caption
+from toolkit.data.dataset import build_dataset
+from toolkit.data.latent_cache import LatentCache
+from toolkit.data.text_cache import CachedCaptions, permute_tokens
+from toolkit.metrics import read_metrics
+from toolkit.models.sd import SD15Adapter
+from toolkit.train.plan import TrainingPlan
+from toolkit.train.seeding import seeded_generator
+
+SOLO = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, wait_for_everyone=lambda: None)
+CAPTION = "sks, red, round, shiny, small, outdoors"
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_sd15):
+    return SD15Adapter.load(ModelConfig(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+
+
+def views(n: int = 2000, **options) -> list[str]:
+    return [process_caption(CAPTION, seeded_generator(1, "caption", 0, i), **options) for i in range(n)]
+
+
+def test_shuffle_keeps_the_first_segments_and_moves_the_rest():
+    shuffled = views(200, shuffle=True)
+    assert all(v.startswith("sks, ") and sorted(v.split(", ")) == sorted(CAPTION.split(", ")) for v in shuffled)
+    assert len(set(shuffled)) > 50
+    kept = views(200, shuffle=True, keep_tokens=3)
+    assert all(v.startswith("sks, red, round, ") for v in kept)
+
+
+def test_caption_and_token_dropout_rates_and_the_trigger_survives():
+    dropped = views(caption_dropout_rate=0.25)
+    assert dropped.count("") / len(dropped) == pytest.approx(0.25, abs=0.03)
+    words = views(token_dropout_rate=0.3, keep_tokens=0, trigger_word="sks")
+    assert all(v.startswith("sks") for v in words)  # the trigger segment is never dropped
+    kept_share = sum(len(v.split(", ")) - 1 for v in words) / (5 * len(words))
+    assert kept_share == pytest.approx(0.7, abs=0.03)
+
+
+def latent_cache_for(folder, adapter):
+    cfg = DatasetConfig(folder_path=str(folder), resolution=[64], cache_latents_to_disk=True)
+    dataset = build_dataset([cfg], None, adapter.divisor)
+    cache = LatentCache(dataset, {0: folder / "_difftune_cache"}, {0: True}, adapter.encoder_identity("image"))
+    return dataset, cache
+
+
+def test_latent_cache_hits_unchanged_images_and_reencodes_replaced_ones(tmp_path, adapter, monkeypatch):
+    for i, color in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255)]):
+        make_image(tmp_path / f"img{i}.png", (64, 64), color=color)
+    encoded = []
+    original = adapter.encode_latent_dist
+    monkeypatch.setattr(adapter, "encode_latent_dist", lambda pixels: encoded.append(1) or original(pixels))
+
+    dataset, cache = latent_cache_for(tmp_path, adapter)
+    cache.build(adapter, SOLO)
+    assert len(encoded) == 3 and len(list((tmp_path / "_difftune_cache" / "latents").glob("*.safetensors"))) == 3
+    from toolkit.data.dataset import load_pixels
+    direct = original(load_pixels(dataset.items[0]).unsqueeze(0))
+    assert torch.equal(cache.get(0).mean, direct.mean[0]) and torch.equal(cache.get(0).std, direct.std[0])
+
+    encoded.clear()
+    _, again = latent_cache_for(tmp_path, adapter)
+    again.build(adapter, SOLO)
+    assert encoded == []  # every image hit the cache
+
+    make_image(tmp_path / "img1.png", (64, 64), color=(250, 250, 0))  # same name, new content
+    _, changed = latent_cache_for(tmp_path, adapter)
+    changed.build(adapter, SOLO)
+    assert len(encoded) == 1
+    assert changed.keys[1] != again.keys[1] and changed.keys[0] == again.keys[0]
+    assert not torch.equal(changed.get(1).mean, again.get(1).mean)
+
+
+def test_partly_written_cache_files_are_never_read(tmp_path, adapter):
+    make_image(tmp_path / "img.png", (64, 64))
+    _, cache = latent_cache_for(tmp_path, adapter)
+    cache.path(0).parent.mkdir(parents=True)
+    (cache.path(0).parent / f".{cache.path(0).name}.123.tmp").write_bytes(b"half")
+    cache.build(adapter, SOLO)
+    assert cache.get(0).mean.shape == (4, 8, 8)
+
+
+def text_cache_for(tmp_path, adapter, shuffle: bool, trigger: str | None = "sks", captions=("a, b, c, d",)):
+    for i, caption in enumerate(captions):
+        make_image(tmp_path / "data" / f"img{i}.png", (64, 64), caption=caption)
+    cfg = DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64], shuffle_tokens=shuffle)
+    dataset = build_dataset([cfg], None, adapter.divisor)
+    cache = CachedCaptions(adapter, dataset, [cfg], seed=3, trigger_word=trigger, roots={0: tmp_path / "cache"})
+    return cache
+
+
+def test_cached_tokens_are_permuted_per_epoch_keeping_start_end_and_padding(tmp_path, adapter):
+    cache = text_cache_for(tmp_path, adapter, shuffle=True)
+    cache.build(SOLO)
+    stored = cache.load("a, b, c, d")
+    length = int(stored["length"])
+    first, again, second = (cache.embeds_for([0], epoch).embeds[0] for epoch in (0, 0, 1))
+    assert torch.equal(first, again)  # a function of (seed, epoch, sample)
+    assert not torch.equal(first, second)
+    for view in (first, second):
+        assert torch.equal(view[0], stored["embeds"][0])  # start token
+        assert torch.equal(view[length - 1:], stored["embeds"][length - 1:])  # end token and padding
+        assert not torch.equal(view[1:length - 1], stored["embeds"][1:length - 1])
+        rows = {tuple(r.tolist()) for r in view[1:length - 1]}
+        assert rows == {tuple(r.tolist()) for r in stored["embeds"][1:length - 1]}
+
+
+def test_without_shuffle_cached_embeddings_never_change(tmp_path, adapter):
+    cache = text_cache_for(tmp_path, adapter, shuffle=False)
+    cache.build(SOLO)
+    views_ = [cache.embeds_for([0], epoch).embeds for epoch in range(4)]
+    assert all(torch.equal(v, views_[0]) for v in views_)
+    assert torch.equal(views_[0][0], cache.load("a, b, c, d")["embeds"])
+
+
+def test_permutation_leaves_short_prompts_alone():
+    embeds = torch.arange(10.0).reshape(5, 2)
+    assert torch.equal(permute_tokens(embeds, 3, torch.Generator().manual_seed(0)), embeds)
+
+
+def test_empty_caption_uses_the_trigger_or_explains_the_fix(tmp_path, adapter):
+    with_trigger = text_cache_for(tmp_path / "t", adapter, shuffle=False, captions=("",))
+    with_trigger.build(SOLO)
+    assert torch.equal(with_trigger.embeds_for([0], 0).embeds[0], with_trigger.load("sks")["embeds"])
+    without = text_cache_for(tmp_path / "n", adapter, shuffle=False, trigger=None, captions=("",))
+    with pytest.raises(ValueError, match="empty caption.*default_caption, or set trigger_word"):
+        without.build(SOLO)
+
+
+def run_job(tmp_path, registry, name, **overrides):
+    process = trainer_process(tmp_path, **overrides)
+    config, path = load_config(str(write_job(tmp_path / f"{name}.yaml", name, process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    return job.processes[0], read_metrics(tmp_path / "output" / name / "metrics.jsonl")
+
+
+def test_training_with_both_caches_leaves_the_encoders_unused(tmp_path, registry, monkeypatch):
+    from jobs.process.sd_trainer import SDTrainer
+
+    calls = Counter()
+    original_train = SDTrainer.train
+
+    def train_with_hooks(self):
+        self.adapter.vae.encoder.register_forward_hook(lambda *a: calls.update(["vae"]))
+        self.adapter.text_encoder.register_forward_hook(lambda *a: calls.update(["text"]))
+        original_train(self)
+
+    monkeypatch.setattr(SDTrainer, "train", train_with_hooks)
+    data = make_images(tmp_path / "data", 6, size=(64, 64))
+    datasets = [{"folder_path": str(data), "resolution": [64], "cache_latents_to_disk": True,
+                 "shuffle_tokens": True, "caption_dropout_rate": 0.2}]
+    trainer, cached = run_job(tmp_path, registry, "cached", datasets=datasets,
+                              train={"steps": 6, "cache_text_embeddings": True})
+    assert calls == Counter()
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in cached)
+    assert trainer.adapter.vae.device.type == "cpu" and trainer.adapter.text_encoder.device.type == "cpu"
+    assert trainer.offloaded == [trainer.adapter.vae, trainer.adapter.text_encoder]
+
+
+def test_cached_latents_train_like_live_encoding(tmp_path, registry):
+    data = make_images(tmp_path / "data", 6, size=(64, 64))
+    live = [{"folder_path": str(data), "resolution": [64]}]
+    cached = [{**live[0], "cache_latents": True}]
+    _, a = run_job(tmp_path, registry, "live", datasets=live, train={"steps": 4})
+    _, b = run_job(tmp_path, registry, "memory", datasets=cached, train={"steps": 4})
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4)
+
+
+def epoch_views(folder, processes):
+    seen = {}
+    for rank in range(processes):
+        for line in (folder / f"rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            seen.setdefault(record["epoch"], []).extend(record["indices"])
+    return seen
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("images, batch, cached", [(8, 2, True), (5, 1, False)])
+def test_every_sample_once_per_epoch_on_two_processes(tmp_path, images, batch, cached):
+    """8 images in batches of 2 shard evenly over 2 processes; 5 batches of 1 do not, so accelerate repeats
+    one batch, which the plan announces."""
+    data = make_images(tmp_path / "data", images, size=(64, 64))
+    dataset = {"folder_path": str(data), "resolution": [64], "cache_latents_to_disk": cached}
+    process = trainer_process(tmp_path, datasets=[dataset], train={
+        "steps": None, "epochs": 2, "batch_size": batch, "cache_text_embeddings": cached})
+    (tmp_path / "seen").mkdir()
+    result = launch(write_job(tmp_path / "job.yaml", "cover", process), 2, cwd=tmp_path,
+                    script=REPO / "tests" / "instrumented_run.py",
+                    env={"DIFFTUNE_TEST_RECORD_INDICES": str(tmp_path / "seen")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = TrainingPlan.create(images, images // batch, 2, 1, steps=None, epochs=2)
+    assert re.search(rf"batches repeated to even shards +{plan.repeated_batches}\n", result.stderr)
+    views_by_epoch = epoch_views(tmp_path / "seen", 2)
+    assert sorted(views_by_epoch) == [0, 1]
+    for indices in views_by_epoch.values():
+        counts = Counter(indices)
+        assert set(counts) == set(range(images))  # every sample, and nothing else
+        assert len(indices) - images == plan.repeated_batches * batch

@@ -1,0 +1,111 @@
+"""Latent cache: each image encoded once, per augmentation variant, keyed by content.
+
+A cache key is a hash of the image file's bytes, the variant (bucket size and crop) and the encoder's
+identity (model path, dtype and config), so replacing an image under the same name, or changing the
+model, is a cache miss instead of a stale latent. Entries store the encoder's mean and std, not a
+sample, so every epoch still draws its own latent sample as an uncached run does.
+
+On disk: `<cache_dir>/latents/<key>.safetensors`, written under a temporary name and renamed, so a
+partly written file is never read. In memory: every process encodes every image it may be given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..models.base import LatentDist, ModelAdapter
+from .dataset import ImageDataset, TrainItem, load_pixels
+
+log = logging.getLogger("difftune")
+CACHE_FOLDER = "_difftune_cache"
+
+
+def cache_root(folder_path: str, cache_dir: str | None) -> Path:
+    return Path(cache_dir) if cache_dir else Path(folder_path) / CACHE_FOLDER
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class LatentCache:
+    """Cached latent distributions for the dataset items whose dataset asked for them."""
+
+    def __init__(self, dataset: ImageDataset, roots: dict[int, Path], to_disk: dict[int, bool], identity: str):
+        self.dataset = dataset
+        self.roots = roots  # dataset index -> cache folder, for the datasets that cache
+        self.to_disk = to_disk
+        self.identity = identity
+        self.memory: dict[int, LatentDist] = {}
+        self._digests: dict[Path, str] = {}
+        self.keys = {i: self.key(item) for i, item in enumerate(dataset.items) if item.dataset in roots}
+
+    def key(self, item: TrainItem) -> str:
+        path = item.record.path
+        if path not in self._digests:
+            self._digests[path] = file_digest(path)
+        variant = f"{item.bucket[0]}x{item.bucket[1]}-center"
+        return hashlib.sha256(f"{self._digests[path]}|{variant}|{self.identity}".encode()).hexdigest()[:32]
+
+    def path(self, index: int) -> Path:
+        item = self.dataset.items[index]
+        return self.roots[item.dataset] / "latents" / f"{self.keys[index]}.safetensors"
+
+    def covers(self, index: int) -> bool:
+        return index in self.keys
+
+    @property
+    def covers_everything(self) -> bool:
+        return len(self.keys) == len(self.dataset)
+
+    def build(self, adapter: ModelAdapter, accelerator) -> None:
+        """Encode what is missing. Disk entries are shared out across processes; memory entries are not."""
+        disk = [i for i in self.keys if self.to_disk[self.dataset.items[i].dataset]]
+        memory = [i for i in self.keys if i not in set(disk)]
+        unique_disk = list({self.keys[i]: i for i in disk}.values())
+        mine = [i for i in unique_disk[accelerator.process_index :: accelerator.num_processes]
+                if not self.path(i).is_file()]
+        todo = mine + memory
+        hits = len(unique_disk) - sum(1 for i in unique_disk if not self.path(i).is_file())
+        if accelerator.is_main_process:
+            log.info("latent cache: %d cached, %d to encode", hits, len(unique_disk) - hits + len(memory))
+        for index in tqdm(todo, desc="caching latents", disable=not accelerator.is_main_process or not todo):
+            dist = adapter.encode_latent_dist(load_pixels(self.dataset.items[index]).unsqueeze(0))
+            entry = LatentDist(dist.mean[0].cpu(), None if dist.std is None else dist.std[0].cpu())
+            if not self.to_disk[self.dataset.items[index].dataset]:
+                self.memory[index] = entry
+            else:
+                self.write(self.path(index), entry)
+        accelerator.wait_for_everyone()
+
+    @staticmethod
+    def write(path: Path, entry: LatentDist) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"mean": entry.mean.contiguous()}
+        if entry.std is not None:
+            tensors["std"] = entry.std.contiguous()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+
+    def get(self, index: int) -> LatentDist:
+        if index in self.memory:
+            return self.memory[index]
+        path = self.path(index)
+        try:
+            tensors = load_file(str(path))
+        except Exception as err:  # a damaged or deleted entry: name it
+            raise RuntimeError(f"cached latent {path} for {self.dataset.items[index].record.path} is "
+                               f"unreadable ({err}); delete the cache folder to rebuild it") from err
+        return LatentDist(tensors["mean"], tensors.get("std"))
