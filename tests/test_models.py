@@ -9,7 +9,8 @@ from diffusers import DDPMScheduler
 from ldm_format import save_as_ldm_checkpoint
 from toolkit.config.schema import ModelConfig
 from toolkit.models import get_adapter_class
-from toolkit.models.sd import DDPMNoiseSchedule, SD15Adapter
+from toolkit.models.noise_schedules import DDPMNoiseSchedule
+from toolkit.models.sd import SD15Adapter
 
 
 def test_registry_finds_the_sd15_adapter():

@@ -44,3 +44,31 @@ def truncate_after(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
     tmp.replace(path)
+
+
+class TimestepStats:
+    """Sampled u values and their per-sample losses since the last metrics line, as a 10-bin histogram
+    and the mean loss per bin (`logging.debug_timesteps`)."""
+
+    BINS = 10
+
+    def __init__(self) -> None:
+        self.u: list = []
+        self.losses: list = []
+
+    def add(self, u, losses) -> None:
+        self.u.append(u.detach().float().cpu())
+        self.losses.append(losses.detach().float().cpu())
+
+    def flush(self) -> dict:
+        import torch
+
+        if not self.u:
+            return {}
+        u, losses = torch.cat(self.u), torch.cat(self.losses)
+        self.u, self.losses = [], []
+        bins = (u * self.BINS).long().clamp(0, self.BINS - 1)
+        counts = torch.bincount(bins, minlength=self.BINS)
+        sums = torch.bincount(bins, weights=losses, minlength=self.BINS)
+        means = [round(float(s / c), 6) if c else None for s, c in zip(sums, counts)]
+        return {"timestep_hist": counts.tolist(), "timestep_bin_loss": means}

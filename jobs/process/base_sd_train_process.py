@@ -21,7 +21,7 @@ from toolkit.data.dataset import build_dataset, collate
 from toolkit.data.latent_cache import LatentCache, cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
 from toolkit.device import DTYPES, flush, modules_on, torch_dtype
-from toolkit.metrics import MetricsWriter, truncate_after
+from toolkit.metrics import MetricsWriter, TimestepStats, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
 from toolkit.network.lora import compare_lora_state, add_lora, load_lora_file, lora_state_dict, write_lora_file
 from toolkit.sampling import SampleRenderer
@@ -82,6 +82,9 @@ class BaseSDTrainProcess(BaseTrainProcess):
         )
         self.dataset = build_dataset(self.config.datasets, self.config.trigger_word, self.adapter.divisor)
         self.warn_overlong_captions()
+        self.check_timestep_options()
+        if self.config.train.blank_prompt_preservation:  # encoded now: the text encoder may leave with the cache
+            self.blank_embeds = self.adapter.blank_prompt_embeds()
         self.build_caches()
         self.batch_sampler = BucketBatchSampler(
             self.dataset.bucket_keys(), self.config.train.batch_size, self.config.train.seed
@@ -99,6 +102,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
             self.accelerator, self.checkpoints_dir, self.config.save.max_step_saves_to_keep
         )
         self.position = Position()
+        self.timestep_stats = TimestepStats() if self.config.logging.debug_timesteps else None
         self.last_saved_step = -1
         self.stop = GracefulStop()
 
@@ -120,6 +124,12 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if cut:
             log.warning("%d captions are longer than the text encoder takes and will be cut, e.g. %s",
                         len(cut), records[cut[0]].path)
+
+    def check_timestep_options(self) -> None:
+        params = self.config.train.timestep_params
+        if self.config.train.timestep_type == "shift" and params.dynamic_shift and self.adapter.shift_schedule() is None:
+            raise ValueError(f"train.timestep_params.dynamic_shift: the {self.adapter.arch} scheduler defines no "
+                             "base/max shift; set timestep_params.shift instead")
 
     def build_caches(self) -> None:
         """Latent and text-embedding caches as the config asks; encoders that are no longer needed in the
@@ -291,14 +301,14 @@ class BaseSDTrainProcess(BaseTrainProcess):
 
     def train_epoch(self, progress: tqdm) -> None:
         pos = self.position
-        window: list[torch.Tensor] = []
+        window: list[dict[str, torch.Tensor]] = []
         started = time.perf_counter()
         for micro_batch, batch in self.epoch_batches():
             pos.micro_batch_in_epoch = micro_batch + 1
             with self.accelerator.accumulate(self.trained_module):
-                loss = self.train_step(batch, pos.epoch, micro_batch)
+                loss, parts = self.train_step(batch, pos.epoch, micro_batch)
                 self.accelerator.backward(loss * self.loss_scale(micro_batch))
-                window.append(loss.detach())
+                window.append({"loss": loss.detach(), **parts})
                 if not self.accelerator.sync_gradients:
                     continue
                 record = self.optimizer_update(window)
@@ -317,11 +327,11 @@ class BaseSDTrainProcess(BaseTrainProcess):
         accumulation = self.config.train.gradient_accumulation
         return accumulation / accumulation_window(micro_batch, self.plan.micro_batches_per_epoch, accumulation)
 
-    def train_step(self, batch: dict, epoch: int, micro_batch: int) -> torch.Tensor:
-        """The loss of one micro-batch; the trainer subclass defines it."""
+    def train_step(self, batch: dict, epoch: int, micro_batch: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch and its named parts; the trainer subclass defines it."""
         raise NotImplementedError
 
-    def optimizer_update(self, window: list[torch.Tensor]) -> dict | None:
+    def optimizer_update(self, window: list[dict[str, torch.Tensor]]) -> dict | None:
         """Clip, step the optimizer and (once) the LR scheduler. None when the optimizer skipped the step."""
         max_norm = self.config.train.max_grad_norm or float("inf")
         grad_norm = self.accelerator.clip_grad_norm_(self.lora_params, max_norm)
@@ -333,21 +343,21 @@ class BaseSDTrainProcess(BaseTrainProcess):
             return None
         self.lr_scheduler.step()
         self.position.global_step += 1
-        loss = self.accelerator.reduce(torch.stack(window).mean(), reduction="mean")
-        return {
-            "step": self.position.global_step,
-            "epoch": self.position.epoch,
-            "loss": loss.item(),
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-        }
+        record = {"step": self.position.global_step, "epoch": self.position.epoch}
+        for name in window[0]:  # every micro-batch of an update has the same parts, on every process
+            value = self.accelerator.reduce(torch.stack([parts[name] for parts in window]).mean(), reduction="mean")
+            record[name] = value.item()
+        return {**record, "lr": lr, "grad_norm": float(grad_norm)}
 
     def after_update(self, record: dict, progress: tqdm) -> None:
-        self.metrics.write(record)
+        step = record["step"]
+        if step % self.config.logging.log_every == 0 or step == self.plan.total_updates:
+            if self.timestep_stats is not None:
+                record.update(self.timestep_stats.flush())
+            self.metrics.write(record)
         progress.update(1)
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                              s_it=f"{record['time']:.2f}", refresh=False)
-        step = record["step"]
         if self.config.save.save_every and step % self.config.save.save_every == 0:
             self.save_checkpoint()
         if self.config.sample.sample_every and step % self.config.sample.sample_every == 0:

@@ -159,6 +159,28 @@ def optimizer_param_problems(name: str, params: dict[str, Any]) -> list[str]:
     return [f"`optimizer_params` {', '.join(unknown)} not accepted by {name} (valid: {', '.join(sorted(accepted))})"]
 
 
+class TimestepParamsConfig(Section):
+    """Parameters of the timestep samplers (see docs/timesteps.md)."""
+
+    mean: float | None = Field(None, description="sigmoid: mean in logit space (default 0); gaussian: mean in "
+                               "u-space (default 0.5).")
+    std: float = Field(1.0, gt=0, description="sigmoid: std in logit space.")
+    shift: float = Field(3.0, gt=0, description="shift: the time shift s in u -> s u / (1 + (s - 1) u).")
+    dynamic_shift: bool = Field(False, description="shift: take s from the image size and the scheduler's "
+                                "base/max shift (flow-matching families).")
+    gaussian_std: float = Field(0.2, gt=0, description="gaussian: std in u-space.")
+    gaussian_std_start: float | None = Field(None, gt=0, description="gaussian curriculum: std at the start.")
+    gaussian_std_end: float | None = Field(None, gt=0, description="gaussian curriculum: std at the end.")
+    cycle: list[float] = Field([], description="fixed_cycle: u values visited in order, one per update.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TimestepParamsConfig:
+        from ..train.timesteps import TimestepParams
+
+        TimestepParams(**self.model_dump())  # raises naming every bad key
+        return self
+
+
 class TrainConfig(Section):
     """The optimisation loop. A `step` is one optimizer update everywhere."""
 
@@ -192,6 +214,25 @@ class TrainConfig(Section):
         json_schema_extra=aka("mixed_precision"),
     )
     seed: int = Field(42, description="Seed of data order, noise and timesteps.")
+    timestep_type: Literal["uniform", "sigmoid", "lognorm_blend", "shift", "weighted", "gaussian", "fixed_cycle"] = Field(
+        "uniform", description="How noise levels are drawn (docs/timesteps.md).", json_schema_extra=aka("timestep_sampling"))
+    timestep_params: TimestepParamsConfig = Field(TimestepParamsConfig(), description="See below.")
+    content_or_style: Literal["balanced", "content", "style"] = Field(
+        "balanced", description="Bias toward high noise (content, composition) or low noise (style, texture).")
+    timestep_range: list[float] = Field([0.0, 1.0], min_length=2, max_length=2,
+                                        description="[min, max] of u (0 = clean, 1 = pure noise) trained on.")
+    loss_type: Literal["mse", "mae", "pseudo_huber"] = Field("mse", description="Per-sample loss.")
+    huber_c: float = Field(0.1, gt=0, description="pseudo_huber: the transition point c.")
+    min_snr_gamma: float | None = Field(None, gt=0, description="Min-SNR-gamma loss weighting (e.g. 5); off when "
+                                        "unset.", json_schema_extra=aka("snr_gamma"))
+    noise_offset: float = Field(0.0, ge=0, description="Add this times per-channel constant noise.")
+    blank_prompt_preservation: bool = Field(False, description="Also keep the LoRA's prediction for the blank "
+                                            "prompt equal to the base model's (loss `loss_bpp`).")
+    blank_prompt_preservation_multiplier: float = Field(1.0, gt=0, description="Weight of the blank-prompt term.")
+    blank_prompt_probability: float = Field(1.0, ge=0, le=1, description="Fraction of updates that compute the "
+                                            "blank-prompt term (it costs a second forward pass).")
+    differential_guidance_scale: float | None = Field(
+        None, gt=0, description="Train toward pred + s (target - pred): s > 1 pushes further toward the target.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trained model.")
     cache_text_embeddings: bool = Field(False, description="Encode every distinct caption once before training "
                                         "(cached in the datasets' cache folders), then move the text encoder "
@@ -226,6 +267,11 @@ class TrainConfig(Section):
             problems.append(f"`lr_scheduler_params.lr_end` ({self.lr_scheduler_params.lr_end}) must be below `lr` "
                             f"({self.lr})")
         problems += optimizer_param_problems(self.optimizer, self.optimizer_params)
+        low, high = self.timestep_range
+        if not 0 <= low < high <= 1:
+            problems.append(f"`timestep_range` must be [min, max] with 0 <= min < max <= 1, got {self.timestep_range}")
+        if self.timestep_type == "fixed_cycle" and not self.timestep_params.cycle:
+            problems.append("`timestep_type: fixed_cycle` needs `timestep_params.cycle`, e.g. [0.9, 0.5, 0.1]")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -250,6 +296,14 @@ class SampleConfig(Section):
     sample_at_start: bool = Field(False, description="Also render a baseline before the first update.")
 
 
+class LoggingConfig(Section):
+    """What is logged."""
+
+    log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every N steps.")
+    debug_timesteps: bool = Field(False, description="Add a 10-bin histogram of the sampled u and the mean loss "
+                                  "per bin to each metrics line (main process's draws).")
+
+
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
@@ -269,6 +323,7 @@ class SDTrainerConfig(Section):
     train: TrainConfig = Field(..., description="See below.")
     save: SaveConfig = Field(SaveConfig(), description="See below.")
     sample: SampleConfig = Field(SampleConfig(), description="See below.")
+    logging: LoggingConfig = Field(LoggingConfig(), description="See below.")
 
     @model_validator(mode="after")
     def _token_dropout_needs_captions(self) -> SDTrainerConfig:

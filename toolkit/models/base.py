@@ -50,6 +50,13 @@ class NoiseSchedule(ABC):
     @abstractmethod
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
 
+    #: "epsilon", "v_prediction" or "flow_matching": picks the min-SNR weight formula
+    prediction_type: str
+
+    @abstractmethod
+    def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Signal-to-noise ratio of each sample's timestep (on the CPU)."""
+
 
 class ModelAdapter(ABC):
     """One model family. Built by `load`; the trainer calls only the methods below."""
@@ -92,7 +99,10 @@ class ModelAdapter(ABC):
         """A string that changes whenever `part` ("image" or "text") would encode differently: cache keys."""
 
     @abstractmethod
-    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor: ...
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
+                module: torch.nn.Module | None = None) -> torch.Tensor:
+        """The denoiser's output; through `module` when given (e.g. the bare module, adapters disabled),
+        else through the module set by `use_for_training`."""
 
     @abstractmethod
     def trainable_module(self) -> torch.nn.Module:
@@ -112,6 +122,19 @@ class ModelAdapter(ABC):
     @property
     @abstractmethod
     def device(self) -> torch.device: ...
+
+    def shift_schedule(self):
+        """The scheduler's dynamic-shift line (toolkit.train.timesteps.ShiftSchedule), for families whose
+        scheduler defines one; None otherwise."""
+        return None
+
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        """Tokens the denoiser sees per image (for dynamic shift): latent pixels by default."""
+        return latents.shape[-1] * latents.shape[-2]
+
+    def blank_prompt_embeds(self) -> PromptEmbeds:
+        """The empty prompt's conditioning (blank-prompt preservation, caption dropout)."""
+        return self.encode_prompts([""])
 
     def overlong_prompts(self, prompts: list[str]) -> list[int]:
         """Indices of prompts the text encoder will cut; families without a limit return none."""

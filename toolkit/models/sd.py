@@ -18,31 +18,9 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
 from ..paths import normalize_path
-from .base import LatentDist, ModelAdapter, NoiseSchedule, PromptEmbeds
+from .base import LatentDist, ModelAdapter, PromptEmbeds
+from .noise_schedules import DDPMNoiseSchedule
 from .tiny import ensure_tiny_sd15
-
-
-class DDPMNoiseSchedule(NoiseSchedule):
-    """Integer DDPM timesteps; epsilon or v-prediction target as the scheduler config says."""
-
-    def __init__(self, scheduler: DDPMScheduler):
-        self.scheduler = scheduler
-        self.num_train_timesteps = scheduler.config.num_train_timesteps
-        self.prediction_type = scheduler.config.prediction_type
-        if self.prediction_type not in ("epsilon", "v_prediction"):
-            raise ValueError(f"unsupported prediction_type '{self.prediction_type}' in the scheduler config")
-
-    def timesteps(self, u: torch.Tensor) -> torch.Tensor:
-        t = (u * self.num_train_timesteps).long()
-        return t.clamp(0, self.num_train_timesteps - 1)
-
-    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        return self.scheduler.add_noise(latents, noise, timesteps)
-
-    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        if self.prediction_type == "epsilon":
-            return noise
-        return self.scheduler.get_velocity(latents, noise, timesteps)
 
 
 class SD15Adapter(ModelAdapter):
@@ -147,11 +125,11 @@ class SD15Adapter(ModelAdapter):
         digest = hashlib.sha256(f"{self.source}|{module.dtype}|{config}".encode()).hexdigest()[:16]
         return f"{self.arch}-{part}-{digest}"
 
-    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
+                module: torch.nn.Module | None = None) -> torch.Tensor:
         unet_dtype = self.unet.dtype
-        return self._denoiser(
-            noisy.to(unet_dtype), timesteps, encoder_hidden_states=embeds.embeds.to(unet_dtype)
-        ).sample
+        denoiser = module if module is not None else self._denoiser
+        return denoiser(noisy.to(unet_dtype), timesteps, encoder_hidden_states=embeds.embeds.to(unet_dtype)).sample
 
     def trainable_module(self) -> torch.nn.Module:
         return self.unet

@@ -1,0 +1,88 @@
+"""How each family turns clean latents into a training example, as small classes over diffusers'
+schedulers. Timestep samplers draw u in (0, 1) with u near 1 meaning high noise; each schedule maps u to
+its family's own timestep."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DDPMScheduler, DDPMWuerstchenScheduler
+
+from ..train.losses import snr_from_alphas_cumprod, snr_from_flow_sigmas
+from .base import NoiseSchedule
+
+
+class DDPMNoiseSchedule(NoiseSchedule):
+    """Integer DDPM timesteps; epsilon or v-prediction target as the scheduler config says (SD 1.x)."""
+
+    def __init__(self, scheduler: DDPMScheduler):
+        self.scheduler = scheduler
+        self.num_train_timesteps = scheduler.config.num_train_timesteps
+        self.prediction_type = scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"unsupported prediction_type '{self.prediction_type}' in the scheduler config")
+
+    def timesteps(self, u: torch.Tensor) -> torch.Tensor:
+        t = (u * self.num_train_timesteps).long()
+        return t.clamp(0, self.num_train_timesteps - 1)
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        return self.scheduler.add_noise(latents, noise, timesteps)
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        if self.prediction_type == "epsilon":
+            return noise
+        return self.scheduler.get_velocity(latents, noise, timesteps)
+
+    def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return snr_from_alphas_cumprod(self.scheduler.alphas_cumprod, timesteps.cpu())
+
+
+class FlowMatchNoiseSchedule(NoiseSchedule):
+    """Rectified flow: sigma = u, noisy = (1 - sigma) x + sigma noise, target noise - x, t = 1000 sigma."""
+
+    prediction_type = "flow_matching"
+
+    def __init__(self, num_train_timesteps: int = 1000):
+        self.num_train_timesteps = num_train_timesteps
+
+    def timesteps(self, u: torch.Tensor) -> torch.Tensor:
+        return u.float() * self.num_train_timesteps
+
+    def sigmas(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return timesteps.float() / self.num_train_timesteps
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        sigma = self.sigmas(timesteps).to(latents.device).view(-1, *[1] * (latents.dim() - 1))
+        return (1 - sigma) * latents + sigma * noise
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        return noise - latents
+
+    def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return snr_from_flow_sigmas(self.sigmas(timesteps).cpu())
+
+
+class WuerstchenNoiseSchedule(NoiseSchedule):
+    """Wuerstchen's continuous t in [0, 1) with its cosine alpha-bar; epsilon target."""
+
+    prediction_type = "epsilon"
+
+    def __init__(self, scheduler: DDPMWuerstchenScheduler | None = None, t_max: float = 0.999):
+        self.scheduler = scheduler or DDPMWuerstchenScheduler()
+        self.t_max = t_max
+
+    def timesteps(self, u: torch.Tensor) -> torch.Tensor:
+        return u.float() * self.t_max
+
+    def alphas_cumprod(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return self.scheduler._alpha_cumprod(timesteps.float().cpu(), torch.device("cpu"))
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        return self.scheduler.add_noise(latents, noise, timesteps)
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        return noise
+
+    def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
+        alpha_bar = self.alphas_cumprod(timesteps)
+        return alpha_bar / (1 - alpha_bar)
