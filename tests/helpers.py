@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 from PIL import Image
 
@@ -72,3 +73,18 @@ def launch(job: Path, processes: int, cwd: Path, script: Path = REPO / "run.py",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(script), str(job)]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+
+
+def held_out_loss(adapter, unet, pixels: torch.Tensor, captions: list[str]) -> float:
+    """Loss of `unet` on a fixed (noise, timestep) batch that training never draws."""
+    from toolkit.train.losses import mse_loss
+    from toolkit.train.seeding import seeded_generator
+
+    latents = adapter.encode_images(pixels, seeded_generator(7, "held_out_latent")).float()
+    noise = torch.randn(latents.shape, generator=seeded_generator(7, "held_out_noise"))
+    t = adapter.noise_schedule.timesteps(torch.linspace(0.05, 0.95, latents.shape[0]))
+    noisy = adapter.noise_schedule.add_noise(latents, noise, t)
+    embeds = adapter.encode_prompts(captions)
+    with torch.no_grad():
+        prediction = unet(noisy, t, encoder_hidden_states=embeds.embeds).sample
+    return mse_loss(prediction, adapter.noise_schedule.target(latents, noise, t)).item()

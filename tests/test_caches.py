@@ -87,6 +87,33 @@ def test_latent_cache_hits_unchanged_images_and_reencodes_replaced_ones(tmp_path
     assert not torch.equal(changed.get(1).mean, again.get(1).mean)
 
 
+def test_encoder_identity_follows_the_weights(adapter):
+    before = adapter.encoder_identity("image")
+    weight = next(adapter.vae.parameters())
+    with torch.no_grad():
+        weight.add_(1e-3)
+        changed = adapter.encoder_identity("image")
+        weight.sub_(1e-3)
+    assert changed != before and adapter.encoder_identity("text") != before
+
+
+def test_copies_and_repeats_share_entries_and_every_copy_reads_back(tmp_path, adapter, monkeypatch):
+    for folder in ("a", "b", "c"):
+        make_image(tmp_path / folder / "same.png", (64, 64), color=(10, 200, 30))
+    cfgs = [DatasetConfig(folder_path=str(tmp_path / "a"), resolution=[64], cache_latents_to_disk=True),
+            DatasetConfig(folder_path=str(tmp_path / "b"), resolution=[64], cache_latents_to_disk=True, num_repeats=3),
+            DatasetConfig(folder_path=str(tmp_path / "c"), resolution=[64], cache_latents=True, num_repeats=3)]
+    dataset = build_dataset(cfgs, None, adapter.divisor)
+    encoded = []
+    original = adapter.encode_latent_dist
+    monkeypatch.setattr(adapter, "encode_latent_dist", lambda pixels: encoded.append(1) or original(pixels))
+    roots = {i: tmp_path / name / "_difftune_cache" for i, name in enumerate("abc")}
+    cache = LatentCache(dataset, roots, {0: True, 1: True, 2: False}, adapter.encoder_identity("image"))
+    cache.build(adapter, SOLO)
+    assert len(encoded) == 3  # one per cache folder, and one for the three in-memory repeats
+    assert all(torch.equal(cache.get(i).mean, cache.get(0).mean) for i in range(len(dataset)))
+
+
 def test_partly_written_cache_files_are_never_read(tmp_path, adapter):
     make_image(tmp_path / "img.png", (64, 64))
     _, cache = latent_cache_for(tmp_path, adapter)

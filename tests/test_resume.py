@@ -183,3 +183,19 @@ def test_resume_stays_exact_with_both_caches_and_shuffled_tokens(tmp_path):
         assert run.main([str(stopped)]) == 0
     assert run.main([str(stopped)]) == 0
     assert per_update(tmp_path / "output" / "cached_b") == per_update(tmp_path / "output" / "cached_a")
+
+
+def test_continuing_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="difftune")
+    process = resume_process(tmp_path, steps=8)
+    assert run.main([str(write_job(tmp_path / "job.yaml", "branch", process))]) == 0
+    checkpoints = tmp_path / "output" / "branch" / "checkpoints"
+    process["train"].update(resume=str(checkpoints / "step_000000004"), lr=5e-4)
+    assert run.main([str(write_job(tmp_path / "job.yaml", "branch", process))]) == 0
+    aside = checkpoints / "abandoned_after_step_000000004"
+    assert sorted(p.name for p in aside.iterdir()) == ["branch.safetensors", "step_000000008"]
+    assert "moved to" in caplog.text
+    process["train"]["resume"] = "auto"
+    assert run.main([str(write_job(tmp_path / "job.yaml", "branch", process))]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "output" / "branch" / "metrics.jsonl")] == list(range(1, 9))
+    assert read_metrics(tmp_path / "output" / "branch" / "metrics.jsonl")[-1]["lr"] < 5e-4

@@ -9,29 +9,15 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors import safe_open
 
-from helpers import make_images, trainer_process, write_job
+from helpers import held_out_loss, make_images, trainer_process, write_job
 from jobs import get_job
 from toolkit.config import load_config
 from toolkit.data.dataset import build_dataset, load_pixels
 from toolkit.config.schema import DatasetConfig
 from toolkit.metrics import read_metrics
 from toolkit.models.sd import SD15Adapter
-from toolkit.train.losses import mse_loss
-from toolkit.train.seeding import seeded_generator
 
 UPDATES = 60
-
-
-def held_out_loss(adapter: SD15Adapter, unet, pixels: torch.Tensor, captions: list[str]) -> float:
-    """Loss of `unet` on a fixed (noise, timestep) batch that training never draws."""
-    latents = adapter.encode_images(pixels, seeded_generator(7, "held_out_latent")).float()
-    noise = torch.randn(latents.shape, generator=seeded_generator(7, "held_out_noise"))
-    t = adapter.noise_schedule.timesteps(torch.linspace(0.05, 0.95, latents.shape[0]))
-    noisy = adapter.noise_schedule.add_noise(latents, noise, t)
-    embeds = adapter.encode_prompts(captions)
-    with torch.no_grad():
-        prediction = unet(noisy, t, encoder_hidden_states=embeds.embeds).sample
-    return mse_loss(prediction, adapter.noise_schedule.target(latents, noise, t)).item()
 
 
 @pytest.fixture(scope="module")

@@ -163,10 +163,14 @@ def optimizer_problems(saved: dict, optimizer: torch.optim.Optimizer) -> list[st
         return problems
     params = [p for group in groups for p in group["params"]]
     ids = [i for group in saved_groups for i in group["params"]]
-    for param_id, param in zip(ids, params):
+    for position, (param_id, param) in enumerate(zip(ids, params)):
         for name, value in saved.get("state", {}).get(param_id, {}).items():
-            if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
-                return [f"optimizer state '{name}' has shape {tuple(value.shape)} vs parameter {tuple(param.shape)}"]
+            # param-shaped moments (exp_avg, 8-bit state1, ...) must match; quantisation maps, absmax and
+            # Adafactor's factored rows/columns have other ranks and are not compared
+            same_rank = torch.is_tensor(value) and value.dim() >= 2 and value.dim() == param.dim()
+            if same_rank and value.shape != param.shape:
+                return [f"parameter {position}: optimizer state '{name}' has shape {tuple(value.shape)} vs "
+                        f"{tuple(param.shape)} now"]
     return problems
 
 
@@ -241,3 +245,19 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(f"{path}: unreadable: {err}") from err
+
+
+def set_aside_newer(checkpoints_dir: Path, step: int, final_lora: Path) -> Path | None:
+    """Move checkpoints newer than `step` (and the final LoRA) of an abandoned continuation into
+    `checkpoints/abandoned_after_step_XXXXXXXXX/`, so that `resume: auto` and pruning follow the run that
+    continues from `step`, and nothing is deleted."""
+    newer = [p for p in (checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else [])
+             if STEP_DIR.match(p.name) and int(p.name[5:]) > step]
+    moving = newer + ([final_lora] if final_lora.exists() and newer else [])
+    if not moving:
+        return None
+    target = checkpoints_dir / f"abandoned_after_{step_dir_name(step)}"
+    target.mkdir(exist_ok=True)
+    for path in moving:
+        path.rename(target / path.name)
+    return target

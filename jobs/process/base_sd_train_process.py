@@ -27,7 +27,7 @@ from toolkit.network.lora import compare_lora_state, add_lora, load_lora_file, l
 from toolkit.sampling import SampleRenderer
 from toolkit.signals import GracefulStop
 from toolkit.train.lr_schedulers import build_lr_scheduler
-from toolkit.train.optimizers import build_optimizer
+from toolkit.train.optimizers import build_optimizer, logged_lr, update_rms
 from toolkit.train.plan import TrainingPlan, accumulation_window
 
 from .base_process import StopRequested
@@ -57,13 +57,18 @@ class BaseSDTrainProcess(BaseTrainProcess):
             if resume_from is not None:
                 self.resume(resume_from)
             self.open_run_folder()
+            if resume_from is not None and self.is_main:
+                aside = checkpoint.set_aside_newer(self.checkpoints_dir, self.position.global_step, self.final_lora_path)
+                if aside is not None:
+                    log.warning("continuing from step %d: the newer checkpoints of the earlier run were moved to %s",
+                                self.position.global_step, aside)
             self.open_metrics(resumed=resume_from is not None)
             if self.position.global_step >= self.plan.total_updates and resume_from is not None:
                 self.report_already_complete()
                 return
             with GracefulStop() as self.stop:
                 self.train()
-            if self.stop_requested_everywhere():
+            if self.position.global_step < self.plan.total_updates and self.stop_requested_everywhere():
                 self.stop_with_checkpoint()
             self.finish()
         finally:
@@ -105,6 +110,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         self.timestep_stats = TimestepStats() if self.config.logging.debug_timesteps else None
         self.last_saved_step = -1
         self.stop = GracefulStop()
+        self.stopping = False
 
     def load_model(self) -> ModelAdapter:
         adapter_class = get_adapter_class(self.config.model.arch)
@@ -234,7 +240,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
         saved_lora = checkpoint.load_safetensors(lora_file)
         problems = compare_lora_state(self.lora_state(torch.float32), saved_lora)
         saved_optimizer = checkpoint.load_torch(folder / checkpoint.OPTIMIZER_FILE)
-        problems += checkpoint.optimizer_problems(saved_optimizer, self.optimizer)
+        problems += [f"{checkpoint.OPTIMIZER_FILE}: {problem}"
+                     for problem in checkpoint.optimizer_problems(saved_optimizer, self.optimizer)]
         if problems:
             raise checkpoint.CheckpointError(
                 f"checkpoint {folder} does not match the current config: " + "; ".join(problems)
@@ -253,7 +260,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
             log.warning("the checkpoint was written by %d processes, this run has %d: the LR continues at "
                         "step %d, but the data order from here differs from an uninterrupted run",
                         state.world_size, processes, state.global_step)
-            consumed = math.ceil(consumed * state.world_size / processes)
+            accumulation = self.config.train.gradient_accumulation
+            consumed = consumed * state.world_size // processes // accumulation * accumulation
         if consumed >= len(self.dataloader):
             epoch, consumed = epoch + 1, 0
         return Position(state.global_step, epoch, consumed)
@@ -284,7 +292,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
             self.sample(step=0)
         progress = tqdm(total=self.plan.total_updates, initial=self.position.global_step, desc="train",
                         unit="step", disable=not self.is_main)
-        while self.position.global_step < self.plan.total_updates and not self.stop.requested:
+        # `stopping` is only ever set from the collective check, so every process leaves together
+        while self.position.global_step < self.plan.total_updates and not self.stopping:
             self.train_epoch(progress)
         progress.close()
 
@@ -344,10 +353,13 @@ class BaseSDTrainProcess(BaseTrainProcess):
         self.lr_scheduler.step()
         self.position.global_step += 1
         record = {"step": self.position.global_step, "epoch": self.position.epoch}
+        rms = update_rms(self.optimizer)
+        if rms is not None:
+            record["update_rms"] = rms
         for name in window[0]:  # every micro-batch of an update has the same parts, on every process
             value = self.accelerator.reduce(torch.stack([parts[name] for parts in window]).mean(), reduction="mean")
             record[name] = value.item()
-        return {**record, "lr": lr, "grad_norm": float(grad_norm)}
+        return {**record, "lr": logged_lr(self.optimizer, lr), "grad_norm": float(grad_norm)}
 
     def after_update(self, record: dict, progress: tqdm) -> None:
         step = record["step"]
@@ -364,12 +376,13 @@ class BaseSDTrainProcess(BaseTrainProcess):
             self.sample(step)
 
     def stop_requested_everywhere(self) -> bool:
-        """Whether any process got a stop signal; all processes then stop after the same update."""
+        """Whether any process got a stop signal (collective: call on every process at the same point);
+        all processes then stop after the same update."""
         flag = torch.tensor([float(self.stop.requested)], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             flag = self.accelerator.reduce(flag, reduction="sum")
-        self.stop.requested = bool(flag.item() > 0)
-        return self.stop.requested
+        self.stopping = bool(flag.item() > 0)
+        return self.stopping
 
     def stop_with_checkpoint(self) -> None:
         if self.last_saved_step != self.position.global_step:

@@ -110,5 +110,11 @@ class SDTrainer(BaseSDTrainProcess):
 def concat_embeds(embeds: PromptEmbeds, blank: PromptEmbeds | None, batch: int) -> PromptEmbeds:
     """`embeds` (one row is repeated to `batch` rows) followed by `blank` repeated to `batch` rows."""
     parts = [embeds] if blank is None else [embeds, blank]
-    tensors = [p.embeds.expand(batch, *p.embeds.shape[1:]) if p.embeds.shape[0] == 1 else p.embeds for p in parts]
-    return PromptEmbeds(torch.cat(tensors).to(embeds.embeds.device))
+
+    def rows(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return tensor.expand(batch, *tensor.shape[1:]) if tensor is not None and tensor.shape[0] == 1 else tensor
+
+    device = embeds.embeds.device
+    masks = [rows(p.attention_mask) for p in parts]
+    mask = torch.cat([m.to(device) for m in masks]) if all(m is not None for m in masks) else None
+    return PromptEmbeds(torch.cat([rows(p.embeds).to(device) for p in parts]), mask)

@@ -192,9 +192,10 @@ class TrainConfig(Section):
                                json_schema_extra=aka("num_train_epochs", "max_train_epochs"))
     gradient_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer update.",
                                        json_schema_extra=aka("gradient_accumulation_steps"))
-    lr: float = Field(1e-4, gt=0, description="Peak learning rate.",
-                      json_schema_extra=aka("learning_rate", "unet_lr"))
-    optimizer: Literal["adamw"] = Field("adamw", description="Optimizer.", json_schema_extra=aka("optimizer_type"))
+    lr: float = Field(1e-4, ge=0, description="Peak learning rate (unset or 0 with relative-step Adafactor, "
+                      "which picks its own).", json_schema_extra=aka("learning_rate", "unet_lr"))
+    optimizer: Literal["adamw", "adamw8bit", "lion8bit", "adafactor"] = Field(
+        "adamw", description="Optimizer (docs/optimizers.md).", json_schema_extra=aka("optimizer_type"))
     optimizer_params: dict[str, Any] = Field(
         {}, description="Extra keyword arguments of the optimizer (e.g. weight_decay, betas).",
         json_schema_extra=aka("optimizer_args"),
@@ -249,6 +250,21 @@ class TrainConfig(Section):
     overwrite: bool = Field(False, description="Start over in a run folder that already holds a finished "
                             "LoRA or checkpoints (they are removed). Implies no resume.")
 
+    def _relative_step_problems(self) -> list[str]:
+        from ..train.optimizers import uses_relative_step
+
+        if not uses_relative_step(self.optimizer, self.optimizer_params):
+            return [] if self.lr > 0 else ["`lr` must be above 0 (only relative-step Adafactor picks its own)"]
+        why = "adafactor with relative_step picks its own LR (bounded by optimizer_params min_lr/max_lr)"
+        problems = []
+        if "lr" in self.model_fields_set and self.lr != 0:
+            problems.append(f"{why}, so a manual `lr` is ambiguous: remove `lr` (or set 0), or set "
+                            "optimizer_params.relative_step: false to use `lr` and the LR schedule")
+        if self.lr_scheduler not in ("constant", "constant_with_warmup") or self.lr_warmup_steps or self.lr_warmup_ratio:
+            problems.append(f"{why}; an LR schedule or warmup would not apply: use lr_scheduler: constant, no "
+                            "warmup, or set optimizer_params.relative_step: false")
+        return problems
+
     @field_validator("resume")
     @classmethod
     def _auto_or_path(cls, value: bool | str) -> bool | str:
@@ -267,6 +283,7 @@ class TrainConfig(Section):
             problems.append(f"`lr_scheduler_params.lr_end` ({self.lr_scheduler_params.lr_end}) must be below `lr` "
                             f"({self.lr})")
         problems += optimizer_param_problems(self.optimizer, self.optimizer_params)
+        problems += self._relative_step_problems()
         low, high = self.timestep_range
         if not 0 <= low < high <= 1:
             problems.append(f"`timestep_range` must be [min, max] with 0 <= min < max <= 1, got {self.timestep_range}")

@@ -47,7 +47,7 @@ class LatentCache:
         self.roots = roots  # dataset index -> cache folder, for the datasets that cache
         self.to_disk = to_disk
         self.identity = identity
-        self.memory: dict[int, LatentDist] = {}
+        self.memory: dict[str, LatentDist] = {}  # key -> entry, for datasets cached in memory
         self._digests: dict[Path, str] = {}
         self.keys = {i: self.key(item) for i, item in enumerate(dataset.items) if item.dataset in roots}
 
@@ -70,23 +70,23 @@ class LatentCache:
         return len(self.keys) == len(self.dataset)
 
     def build(self, adapter: ModelAdapter, accelerator) -> None:
-        """Encode what is missing. Disk entries are shared out across processes; memory entries are not."""
-        disk = [i for i in self.keys if self.to_disk[self.dataset.items[i].dataset]]
-        memory = [i for i in self.keys if i not in set(disk)]
-        unique_disk = list({self.keys[i]: i for i in disk}.values())
-        mine = [i for i in unique_disk[accelerator.process_index :: accelerator.num_processes]
-                if not self.path(i).is_file()]
-        todo = mine + memory
-        hits = len(unique_disk) - sum(1 for i in unique_disk if not self.path(i).is_file())
+        """Encode what is missing, once per entry (repeats and copies share one). Disk entries are shared
+        out across processes; memory entries are encoded by every process."""
+        on_disk = {self.path(i): i for i in self.keys if self.to_disk[self.dataset.items[i].dataset]}
+        in_memory = {self.keys[i]: i for i in self.keys if not self.to_disk[self.dataset.items[i].dataset]}
+        # shard the full list (the same on every process), then skip what exists: filtering first would
+        # race with processes that are already writing
+        share = list(on_disk.items())[accelerator.process_index :: accelerator.num_processes]
+        todo = [i for path, i in share if not path.is_file()] + list(in_memory.values())
         if accelerator.is_main_process:
-            log.info("latent cache: %d cached, %d to encode", hits, len(unique_disk) - hits + len(memory))
+            log.info("latent cache: %d entries; this process encodes %d", len(on_disk) + len(in_memory), len(todo))
         for index in tqdm(todo, desc="caching latents", disable=not accelerator.is_main_process or not todo):
             dist = adapter.encode_latent_dist(load_pixels(self.dataset.items[index]).unsqueeze(0))
             entry = LatentDist(dist.mean[0].cpu(), None if dist.std is None else dist.std[0].cpu())
-            if not self.to_disk[self.dataset.items[index].dataset]:
-                self.memory[index] = entry
-            else:
+            if self.to_disk[self.dataset.items[index].dataset]:
                 self.write(self.path(index), entry)
+            else:
+                self.memory[self.keys[index]] = entry
         accelerator.wait_for_everyone()
 
     @staticmethod
@@ -100,8 +100,8 @@ class LatentCache:
         os.replace(tmp, path)
 
     def get(self, index: int) -> LatentDist:
-        if index in self.memory:
-            return self.memory[index]
+        if self.keys[index] in self.memory and not self.to_disk[self.dataset.items[index].dataset]:
+            return self.memory[self.keys[index]]
         path = self.path(index)
         try:
             tensors = load_file(str(path))

@@ -75,6 +75,10 @@ class CachedCaptions:
             self.folder_of.setdefault(item.record.caption, roots[item.dataset])
         if trigger_word:
             self.folder_of.setdefault(trigger_word, roots[0])
+        if any(cfg.shuffle_tokens for cfg in cfgs):
+            log.warning("cached text embeddings: shuffle_tokens permutes the token positions of each cached "
+                        "caption (start, end and padding stay), not its comma-separated segments; keep_tokens "
+                        "does not apply and the trigger word moves too")
 
     def path(self, caption: str) -> Path:
         key = hashlib.sha256(f"{self.identity}|{caption}".encode()).hexdigest()[:32]
@@ -156,4 +160,4 @@ class CachedCaptions:
             lengths.append(entry.get("length"))
         mask = torch.stack(masks) if all(m is not None for m in masks) else None
         length = torch.cat(lengths) if all(n is not None for n in lengths) else None
-        return PromptEmbeds(torch.stack(rows).to(self.adapter.device), mask, length)
+        return PromptEmbeds(torch.stack(rows), mask, length).to(self.adapter.device)

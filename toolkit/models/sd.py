@@ -122,8 +122,8 @@ class SD15Adapter(ModelAdapter):
     def encoder_identity(self, part: str) -> str:
         module = {"image": self.vae, "text": self.text_encoder}[part]
         config = module.config.to_json_string() if hasattr(module.config, "to_json_string") else str(module.config)
-        digest = hashlib.sha256(f"{self.source}|{module.dtype}|{config}".encode()).hexdigest()[:16]
-        return f"{self.arch}-{part}-{digest}"
+        facts = f"{self.source}|{module.dtype}|{config}|{weights_fingerprint(module)}"
+        return f"{self.arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None) -> torch.Tensor:
@@ -154,3 +154,12 @@ class SD15Adapter(ModelAdapter):
 
     def describe(self) -> dict[str, str]:
         return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}
+
+
+def weights_fingerprint(module: torch.nn.Module) -> str:
+    """A digest of a module's weights (each tensor's sum and norm): a VAE or text encoder
+    swapped in under the same path and config still changes cache keys."""
+    with torch.no_grad():
+        stats = torch.stack([torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
+                             for p in module.parameters()])
+    return hashlib.sha256(stats.cpu().numpy().round(6).tobytes()).hexdigest()[:16]

@@ -1,0 +1,122 @@
+"""Optimizers: each one trains; Adafactor's bounded relative-step LR, logged LR and update RMS; safe loading."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import run
+from helpers import QUICKSTART_DATA, held_out_loss, trainer_process, write_job
+from jobs import get_job
+from toolkit import checkpoint
+from toolkit.config import ConfigError, load_config
+from toolkit.data.dataset import build_dataset, load_pixels
+from toolkit.config.schema import DatasetConfig
+from toolkit.metrics import read_metrics
+from toolkit.train.optimizers.adafactor import BoundedAdafactor
+
+
+def job(tmp_path, registry, name, **train):
+    process = trainer_process(tmp_path, train={"steps": 12, **train})
+    config, path = load_config(str(write_job(tmp_path / f"{name}.yaml", name, process)), registry)
+    return get_job(config, path, registry)
+
+
+@pytest.mark.parametrize("name, train", [
+    ("adamw", {"optimizer": "adamw", "lr": 3e-3}),
+    ("adamw8bit", {"optimizer": "adamw8bit", "lr": 3e-3}),
+    ("lion8bit", {"optimizer": "lion8bit", "lr": 3e-4}),
+    ("adafactor", {"optimizer": "adafactor", "lr": 0, "optimizer_params": {"max_lr": 3e-3}}),
+    ("adafactor_fixed", {"optimizer": "adafactor", "lr": 3e-3, "optimizer_params": {"relative_step": False}}),
+])
+def test_each_optimizer_lowers_the_held_out_loss(tmp_path, registry, name, train):
+    trained = job(tmp_path, registry, name, **train)
+    trained.run()
+    process = trained.processes[0]
+    records = read_metrics(tmp_path / "output" / name / "metrics.jsonl")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    dataset = build_dataset([DatasetConfig(folder_path=str(QUICKSTART_DATA), resolution=[64])], "shp", 16)
+    square = [item for item in dataset.items if item.bucket == (64, 64)]
+    pixels = torch.stack([load_pixels(item) for item in square])
+    captions = [item.record.caption for item in square]
+    unet = process.adapter.unet
+    unet.eval()
+    after = held_out_loss(process.adapter, unet, pixels, captions)
+    unet.disable_adapters()
+    before = held_out_loss(process.adapter, unet, pixels, captions)
+    assert after < before, (before, after)
+
+
+def planted_step(optimizer, params, scale):
+    for param in params:
+        param.grad = torch.full_like(param, scale)
+    optimizer.step()
+
+
+def test_relative_step_lr_stays_within_its_bounds():
+    big = torch.nn.Parameter(torch.full((8, 8), 100.0))  # RMS 100: the relative LR would be 1.0
+    small = torch.nn.Parameter(torch.full((8, 8), 1e-6))  # RMS ~0: the relative LR would be 1e-5
+    optimizer = BoundedAdafactor([big, small], min_lr=1e-4, max_lr=1e-3)
+    assert optimizer.get_avg_learning_rate() == 1e-3  # before any step: the bound, never 0 or an error
+    for step in range(5):
+        before = [p.detach().clone() for p in (big, small)]
+        planted_step(optimizer, [big, small], 10.0 ** step)
+        lrs = [float(optimizer.state[p]["effective_lr"]) for p in (big, small)]
+        assert lrs == pytest.approx([1e-3, 1e-4])
+        assert optimizer.get_avg_learning_rate() == pytest.approx(5.5e-4)
+        measured = torch.stack([(p.detach() - b).pow(2).mean().sqrt() for p, b in zip((big, small), before)]).mean()
+        assert optimizer.last_update_rms == pytest.approx(float(measured), rel=1e-6)
+
+
+def test_manual_lr_uses_the_configured_lr():
+    param = torch.nn.Parameter(torch.ones(4, 4))
+    optimizer = BoundedAdafactor([param], lr=5e-3, relative_step=False, scale_parameter=False)
+    assert optimizer.get_avg_learning_rate() == 5e-3
+    planted_step(optimizer, [param], 1.0)
+    assert optimizer.get_avg_learning_rate() == 5e-3
+
+
+def test_metrics_log_adafactor_lr_and_update_rms(tmp_path, registry):
+    trained = job(tmp_path, registry, "rms", steps=3, lr=0, optimizer="adafactor", optimizer_params={"max_lr": 1e-3})
+    trained.run()
+    records = read_metrics(tmp_path / "output" / "rms" / "metrics.jsonl")
+    assert all(0 < r["lr"] <= 1e-3 and r["update_rms"] > 0 for r in records)
+
+
+def test_resume_applies_a_new_max_lr(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="difftune")
+    process = trainer_process(tmp_path, train={"steps": 3, "lr": 0, "optimizer": "adafactor",
+                                               "optimizer_params": {"max_lr": 1e-4}})
+    assert run.main([str(write_job(tmp_path / "job.yaml", "bound", process))]) == 0
+    process["train"].update(steps=6, optimizer_params={"max_lr": 1e-3})
+    assert run.main([str(write_job(tmp_path / "job.yaml", "bound", process))]) == 0
+    assert "max_lr 0.0001 -> 0.001" in caplog.text
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "output" / "bound" / "metrics.jsonl")]
+    assert max(lrs[:3]) <= 1e-4 < min(lrs[3:])
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"optimizer": "adafactor", "lr": 1e-3}, "a manual `lr` is ambiguous"),
+    ({"optimizer": "adafactor", "lr_scheduler": "cosine"}, "an LR schedule or warmup would not apply"),
+    ({"optimizer": "adamw", "lr": 0}, "`lr` must be above 0"),
+    ({"optimizer": "sgd"}, "Input should be 'adamw', 'adamw8bit', 'lion8bit' or 'adafactor'"),
+    ({"optimizer": "adafactor", "optimizer_params": {"max_lrr": 1}}, "max_lrr not accepted by adafactor"),
+])
+def test_optimizer_choices_are_checked_with_the_config(tmp_path, registry, train, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("`", "`")):
+        job(tmp_path, registry, "bad", **train)
+
+
+def test_optimizer_state_of_another_rank_is_refused_naming_the_parameter():
+    def state_for(rank):
+        param = torch.nn.Parameter(torch.zeros(rank, 32))
+        optimizer = torch.optim.AdamW([param])
+        param.grad = torch.ones_like(param)
+        optimizer.step()
+        return optimizer
+
+    problems = checkpoint.optimizer_problems(state_for(4).state_dict(), state_for(8))
+    assert problems == ["parameter 0: optimizer state 'exp_avg' has shape (4, 32) vs (8, 32) now"]
+    assert checkpoint.optimizer_problems(state_for(8).state_dict(), state_for(8)) == []
