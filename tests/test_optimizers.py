@@ -120,3 +120,30 @@ def test_optimizer_state_of_another_rank_is_refused_naming_the_parameter():
     problems = checkpoint.optimizer_problems(state_for(4).state_dict(), state_for(8))
     assert problems == ["parameter 0: optimizer state 'exp_avg' has shape (4, 32) vs (8, 32) now"]
     assert checkpoint.optimizer_problems(state_for(8).state_dict(), state_for(8)) == []
+
+
+def test_adafactor_without_lr_loads_and_takes_its_defaults(tmp_path, registry):
+    process = trainer_process(tmp_path, train={"steps": 2, "optimizer": "adafactor"})
+    del process["train"]["lr"]
+    config, _ = load_config(str(write_job(tmp_path / "job.yaml", "nolr", process)), registry)
+    from toolkit.train.optimizers import build_optimizer
+
+    optimizer = build_optimizer(config.config.process[0].train, [torch.nn.Parameter(torch.ones(4, 4))])
+    assert optimizer.param_groups[0]["relative_step"] and optimizer.param_groups[0]["max_lr"] == 1e-4
+
+
+def test_8bit_optimizers_explain_when_bitsandbytes_cannot_run(monkeypatch):
+    import builtins
+
+    from toolkit.train.optimizers import optimizer_class
+
+    real_import = builtins.__import__
+
+    def no_bitsandbytes(name, *args, **kwargs):
+        if name.startswith("bitsandbytes"):
+            raise ImportError("no backend for this device")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bitsandbytes)
+    with pytest.raises(RuntimeError, match="adamw8bit needs bitsandbytes, which cannot run here .*use optimizer: adamw"):
+        optimizer_class("adamw8bit")
