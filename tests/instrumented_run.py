@@ -20,59 +20,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import run  # noqa: E402
 from jobs.process.base_sd_train_process import BaseSDTrainProcess  # noqa: E402
+from jobs.process.sd_trainer import SDTrainer  # noqa: E402
 
 
 @contextmanager
+def wrapped(cls: type, name: str, wrap):
+    """Replace method `name` of `cls` by `wrap(original)` for the duration of the block."""
+    original = getattr(cls, name)
+    setattr(cls, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
+
+
 def interrupt_after(step: int):
-    original = BaseSDTrainProcess.after_update
+    def wrap(original):
+        def after_update(self, record, progress):
+            original(self, record, progress)
+            if record["step"] == step and self.is_main:
+                os.kill(os.getpid(), signal.SIGINT)
+        return after_update
 
-    def after_update(self, record, progress):
-        original(self, record, progress)
-        if record["step"] == step and self.is_main:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    BaseSDTrainProcess.after_update = after_update
-    try:
-        yield
-    finally:
-        BaseSDTrainProcess.after_update = original
+    return wrapped(BaseSDTrainProcess, "after_update", wrap)
 
 
-@contextmanager
 def fail_on_rank(rank: int):
-    from jobs.process.sd_trainer import SDTrainer
+    def wrap(original):
+        def train_step(self, batch, epoch, micro_batch):
+            if self.accelerator.process_index == rank and micro_batch == 1:
+                raise RuntimeError(f"injected failure on rank {rank}")
+            return original(self, batch, epoch, micro_batch)
+        return train_step
 
-    original = SDTrainer.train_step
-
-    def train_step(self, batch, epoch, micro_batch):
-        if self.accelerator.process_index == rank and micro_batch == 1:
-            raise RuntimeError(f"injected failure on rank {rank}")
-        return original(self, batch, epoch, micro_batch)
-
-    SDTrainer.train_step = train_step
-    try:
-        yield
-    finally:
-        SDTrainer.train_step = original
+    return wrapped(SDTrainer, "train_step", wrap)
 
 
-@contextmanager
 def record_indices(folder: Path):
-    from jobs.process.sd_trainer import SDTrainer
+    def wrap(original):
+        def train_step(self, batch, epoch, micro_batch):
+            line = json.dumps({"epoch": epoch, "indices": batch["indices"].tolist()})
+            with (folder / f"rank{self.accelerator.process_index}.jsonl").open("a") as handle:
+                handle.write(line + "\n")
+            return original(self, batch, epoch, micro_batch)
+        return train_step
 
-    original = SDTrainer.train_step
-
-    def train_step(self, batch, epoch, micro_batch):
-        line = json.dumps({"epoch": epoch, "indices": batch["indices"].tolist()})
-        with (folder / f"rank{self.accelerator.process_index}.jsonl").open("a") as handle:
-            handle.write(line + "\n")
-        return original(self, batch, epoch, micro_batch)
-
-    SDTrainer.train_step = train_step
-    try:
-        yield
-    finally:
-        SDTrainer.train_step = original
+    return wrapped(SDTrainer, "train_step", wrap)
 
 
 if __name__ == "__main__":
