@@ -57,11 +57,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
             if resume_from is not None:
                 self.resume(resume_from)
             self.open_run_folder()
-            if resume_from is not None and self.is_main:
-                aside = checkpoint.set_aside_newer(self.checkpoints_dir, self.position.global_step, self.final_lora_path)
-                if aside is not None:
-                    log.warning("continuing from step %d: the newer checkpoints of the earlier run were moved to %s",
-                                self.position.global_step, aside)
+            if resume_from is not None:
+                self.set_aside_abandoned_checkpoints()
             self.open_metrics(resumed=resume_from is not None)
             if self.position.global_step >= self.plan.total_updates and resume_from is not None:
                 self.report_already_complete()
@@ -277,6 +274,15 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if not math.isclose(now, state.lr, rel_tol=1e-9, abs_tol=1e-15):
             log.info("LR at step %d: %.3g in the checkpoint, %.3g with the current schedule", state.global_step,
                      state.lr, now)
+
+    def set_aside_abandoned_checkpoints(self) -> None:
+        """Continuing from an older checkpoint abandons the newer ones; they move aside, not away."""
+        if not self.is_main:
+            return
+        aside = checkpoint.set_aside_newer(self.checkpoints_dir, self.position.global_step, self.final_lora_path)
+        if aside is not None:
+            log.warning("continuing from step %d: the newer checkpoints of the earlier run were moved to %s",
+                        self.position.global_step, aside)
 
     def report_already_complete(self) -> None:
         log.info("training is already complete at step %d (train.steps / epochs give %d); raise them to "
