@@ -23,7 +23,10 @@ from toolkit.data.text_cache import CachedCaptions, LiveCaptions
 from toolkit.device import DTYPES, flush, modules_on, torch_dtype
 from toolkit.metrics import MetricsWriter, TimestepStats, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
-from toolkit.network.lora import compare_lora_state, add_lora, load_lora_file, lora_state_dict, write_lora_file
+from toolkit.network.formats import kohya_metadata, to_comfy
+from toolkit.network.lora import (
+    add_lora, compare_lora_state, load_lora_file, lora_state_dict, write_lora_file, write_safetensors,
+)
 from toolkit.sampling import SampleRenderer
 from toolkit.signals import GracefulStop
 from toolkit.train.lr_schedulers import build_lr_scheduler
@@ -288,7 +291,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         log.info("training is already complete at step %d (train.steps / epochs give %d); raise them to "
                  "continue", self.position.global_step, self.plan.total_updates)
         if self.is_main and not self.final_lora_path.exists():
-            self.write_lora(self.final_lora_path, DTYPES[self.config.save.dtype])
+            self.write_final_loras()
 
     # ---- loop ----------------------------------------------------------------------------------
 
@@ -425,6 +428,21 @@ class BaseSDTrainProcess(BaseTrainProcess):
     def lora_state(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return lora_state_dict(self.adapter.trainable_module(), self.adapter.lora_prefix, dtype)
 
+    def write_final_loras(self) -> None:
+        """The finished LoRA in every format `save.formats` asks for."""
+        dtype, formats = DTYPES[self.config.save.dtype], self.config.save.formats
+        if "diffusers" in formats:
+            self.write_lora(self.final_lora_path, dtype)
+            log.info("saved LoRA %s", self.final_lora_path)
+        if "comfy" in formats:
+            path = self.final_lora_path.with_suffix(".comfy.safetensors")
+            network, adapter = self.config.network, self.adapter
+            state = to_comfy(self.lora_state(dtype), {adapter.lora_prefix: adapter.comfy_prefix}, network.linear_alpha)
+            meta = {**self.lora_metadata(), **kohya_metadata(network.linear, network.linear_alpha,
+                                                             adapter.kohya_base_model)}
+            write_safetensors(path, state, meta)
+            log.info("saved LoRA %s (ComfyUI/kohya keys)", path)
+
     def write_lora(self, path: Path, dtype: torch.dtype) -> None:
         write_lora_file(path, self.lora_state(dtype), self.lora_metadata(), self.adapter.trainable_module(),
                         self.adapter.lora_prefix)
@@ -466,8 +484,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if self.last_saved_step != step:
             self.save_checkpoint()
         if self.is_main:
-            self.write_lora(self.final_lora_path, DTYPES[self.config.save.dtype])
-            log.info("saved LoRA %s", self.final_lora_path)
+            self.write_final_loras()
         self.metrics.close()
         if not (self.config.sample.sample_every and step % self.config.sample.sample_every == 0):
             self.sample(step)

@@ -81,6 +81,10 @@ class SaveConfig(Section):
                          json_schema_extra=aka("save_precision"))
     save_every: int = Field(250, ge=0, description="Save a checkpoint every N steps (optimizer updates); "
                             "0 saves only at the end.", json_schema_extra=aka("save_every_n_steps"))
+    formats: list[Literal["diffusers", "comfy"]] = Field(
+        ["diffusers", "comfy"], min_length=1,
+        description="Final LoRA files: `diffusers` (<name>.safetensors, diffusers/peft keys) and `comfy` "
+        "(<name>.comfy.safetensors, ComfyUI/kohya keys with alphas, for ComfyUI and A1111/Forge).")
     max_step_saves_to_keep: int = Field(4, ge=1, description="Complete step checkpoints kept; older ones are "
                                         "pruned after a newer one is complete.",
                                         json_schema_extra=aka("save_last_n_steps", "checkpoints_total_limit"))

@@ -67,6 +67,9 @@ class ModelAdapter(ABC):
     divisor: int
     #: key prefix of the trained module in saved LoRA files (diffusers' convention)
     lora_prefix: ClassVar[str]
+    #: the same module's prefix in ComfyUI/kohya LoRA files, and the kohya base-model tag
+    comfy_prefix: ClassVar[str]
+    kohya_base_model: ClassVar[str]
 
     @classmethod
     @abstractmethod

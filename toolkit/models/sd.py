@@ -26,6 +26,8 @@ from .tiny import ensure_tiny_sd15
 class SD15Adapter(ModelAdapter):
     arch = "sd15"
     lora_prefix = "unet"
+    comfy_prefix = "lora_unet"
+    kohya_base_model = "sd_v1"
 
     def __init__(self, unet, vae, text_encoder, tokenizer, scheduler, source: str):
         self.unet = unet

@@ -49,13 +49,17 @@ def adapter_metadata(module: torch.nn.Module, prefix: str) -> str:
     return json.dumps(packed, indent=2, sort_keys=True, default=str)
 
 
-def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str], module, prefix: str) -> None:
-    """Write a LoRA file atomically (temporary name, then rename): a crash never leaves half a file."""
-    header = {"format": "pt", LORA_ADAPTER_METADATA_KEY: adapter_metadata(module, prefix), **metadata}
+def write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write atomically (temporary name, then rename): a crash never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(state, str(tmp), metadata=header)
+    save_file(state, str(tmp), metadata={"format": "pt", **metadata})
     os.replace(tmp, path)
+
+
+def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str], module, prefix: str) -> None:
+    """A diffusers-format LoRA file, with the peft config in the header so alpha loads back."""
+    write_safetensors(path, state, {LORA_ADAPTER_METADATA_KEY: adapter_metadata(module, prefix), **metadata})
 
 
 def compare_lora_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:

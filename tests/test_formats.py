@@ -1,0 +1,63 @@
+"""LoRA files in diffusers and ComfyUI/kohya form: round trips, and diffusers loads both alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from helpers import trainer_process, write_job
+from jobs import get_job
+from toolkit.config import load_config
+from toolkit.network.formats import from_comfy, to_comfy
+
+PREFIXES = {"unet": "lora_unet"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, registry, tiny_sd15):
+    tmp = tmp_path_factory.mktemp("formats")
+    process = trainer_process(tmp, network={"linear": 4, "linear_alpha": 8},
+                              save={"dtype": "float32", "formats": ["diffusers", "comfy"]},
+                              train={"steps": 6, "lr": 5e-3})
+    config, path = load_config(str(write_job(tmp / "job.yaml", "fmt", process)), registry)
+    get_job(config, path, registry).run()
+    return tmp / "output" / "fmt"
+
+
+def test_comfy_file_has_kohya_keys_alphas_and_metadata(run_dir):
+    with safe_open(str(run_dir / "fmt.comfy.safetensors"), "pt") as handle:
+        keys, meta = list(handle.keys()), handle.metadata()
+        alphas = [handle.get_tensor(k) for k in keys if k.endswith(".alpha")]
+    assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
+    assert all(k.startswith("lora_unet_") for k in keys)
+    assert alphas and all(float(a) == 8.0 for a in alphas)
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_base_model_version"]) == ("4", "8.0", "sd_v1")
+    assert json.loads(meta["difftune_config"])["network"]["linear"] == 4
+
+
+def test_diffusers_comfy_diffusers_round_trip_is_exact(run_dir):
+    original = load_file(str(run_dir / "fmt.safetensors"))
+    modules = sorted({k.rsplit(".lora.", 1)[0] for k in original})
+    back, alphas = from_comfy(to_comfy(original, PREFIXES, alpha=8.0), PREFIXES, modules)
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    assert set(alphas.values()) == {8.0} and len(alphas) == len(modules)
+
+
+def test_diffusers_loads_both_files_to_the_same_output(run_dir, tiny_sd15):
+    def render(weight_name):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15, safety_checker=None, requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        if weight_name:
+            pipe.load_lora_weights(str(run_dir), weight_name=weight_name)
+        return pipe("shp, a red circle", num_inference_steps=2, width=64, height=64, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    base, ours, comfy = render(None), render("fmt.safetensors"), render("fmt.comfy.safetensors")
+    assert abs(ours - base).max() > 1e-3
+    assert abs(ours - comfy).max() < 1e-4
