@@ -23,13 +23,13 @@ STEPS = 12
 
 
 def resume_process(tmp_path, **train) -> dict:
-    """Two datasets, shuffling, accumulation 2, LoRA dropout (so library RNG matters too)."""
+    """Two datasets, shuffling, accumulation 2, LoRA, rank and module dropout (so library RNG matters too)."""
     extra = tmp_path / "extra"
     if not extra.exists():
         make_images(extra, 6, size=(64, 64))
     return trainer_process(
         tmp_path,
-        network={"linear": 4, "linear_alpha": 4, "dropout": 0.1},
+        network={"linear": 4, "linear_alpha": 4, "dropout": 0.1, "rank_dropout": 0.1, "module_dropout": 0.1},
         datasets=[{"folder_path": str(REPO / "config" / "examples" / "quickstart_data"), "resolution": [64]},
                   {"folder_path": str(extra), "resolution": [64], "num_repeats": 2}],
         train={"steps": STEPS, "gradient_accumulation": 2, "lr_scheduler": "linear", **train},

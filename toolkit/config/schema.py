@@ -72,6 +72,10 @@ class NetworkConfig(Section):
     target_modules: list[str] | None = Field(
         None, description="Module names to adapt; default: the model family's attention projections."
     )
+    rank_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: zero each rank channel of each "
+                                "sample with this probability (the rest rescaled to keep the mean).")
+    module_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: skip a whole LoRA module for a "
+                                  "forward pass with this probability.")
 
 
 class SaveConfig(Section):

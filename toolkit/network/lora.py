@@ -28,6 +28,8 @@ def build_lora_config(cfg: NetworkConfig, default_targets: list[str]) -> LoraCon
 def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[str]) -> list[torch.nn.Parameter]:
     """Add a LoRA adapter (diffusers' peft integration) and return its parameters, kept in float32."""
     module.add_adapter(build_lora_config(cfg, default_targets))
+    if cfg.rank_dropout or cfg.module_dropout:
+        add_lora_dropouts(module, cfg.rank_dropout, cfg.module_dropout)
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the LoRA adapter has no trainable parameters (check network.target_modules)")
@@ -87,3 +89,30 @@ def load_lora_file(module: torch.nn.Module, path: Path, prefix: str) -> None:
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
         raise ValueError(f"{path}: weights that match no LoRA layer: {unexpected[:3]}")
+
+
+def add_lora_dropouts(module: torch.nn.Module, rank_dropout: float, module_dropout: float) -> int:
+    """Rank and module dropout (kohya's options, which peft lacks) as forward hooks on each LoRA down
+    projection, active in training mode only. Returns how many LoRA layers got them.
+
+    - module dropout: with probability `module_dropout` per forward pass, the layer's LoRA output is 0;
+    - rank dropout: each rank channel of each sample is zeroed with probability `rank_dropout`, and the
+      kept ones are scaled by 1 / (1 - rank_dropout), so the expected update is unchanged.
+    Draws use the global torch RNG, like torch's dropout, whose per-rank state checkpoints keep.
+    """
+
+    def hook(down: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+        if not down.training:
+            return output
+        if module_dropout and torch.rand(()).item() < module_dropout:
+            return output * 0.0  # not zeros_like: the layer stays in the graph, so DDP sees its (zero) grads
+        if rank_dropout:
+            shape = (output.shape[0],) + (1,) * (output.dim() - 2) + (output.shape[-1],)
+            keep = (torch.rand(shape) >= rank_dropout).to(output.device, output.dtype)
+            return output * keep / (1 - rank_dropout)
+        return output
+
+    layers = [m for m in module.modules() if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {})]
+    for layer in layers:
+        layer.lora_A["default"].register_forward_hook(hook)
+    return len(layers)
