@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,11 +49,6 @@ def write_job(path: Path, name: str, *processes: dict) -> Path:
     path.write_text(yaml.safe_dump({"job": "extension", "config": {"name": name, "process": list(processes)}}))
     return path
 
-
-
-def copy_quickstart_data(dest: Path) -> Path:
-    shutil.copytree(QUICKSTART_DATA, dest)
-    return dest
 
 
 def make_images(folder: Path, count: int, size: tuple[int, int] = (32, 32)) -> Path:

@@ -101,9 +101,13 @@ def prune(checkpoints_dir: Path, keep: int) -> list[Path]:
     return removed
 
 
+def tmp_dir(checkpoints_dir: Path, step: int) -> Path:
+    return checkpoints_dir / f"{TMP_PREFIX}{step_dir_name(step)}"
+
+
 def begin(checkpoints_dir: Path, step: int) -> Path:
     """The temporary folder a checkpoint is written into (emptied if a crash left it behind)."""
-    tmp = checkpoints_dir / f"{TMP_PREFIX}{step_dir_name(step)}"
+    tmp = tmp_dir(checkpoints_dir, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -201,7 +205,7 @@ class Checkpointer:
     def save(self, state: TrainState, write_payload) -> Path:
         """`write_payload(folder)` runs on the main process; call on every rank."""
         acc = self.accelerator
-        tmp = self.dir / f"{TMP_PREFIX}{step_dir_name(state.global_step)}"
+        tmp = tmp_dir(self.dir, state.global_step)
         if acc.is_main_process:
             begin(self.dir, state.global_step)
         acc.wait_for_everyone()
@@ -209,12 +213,11 @@ class Checkpointer:
         if acc.is_main_process:
             write_payload(tmp)
         acc.wait_for_everyone()
-        final = tmp.with_name(step_dir_name(state.global_step))
         if acc.is_main_process:
             commit(tmp, state)
             prune(self.dir, self.keep)
         acc.wait_for_everyone()
-        return final
+        return self.dir / step_dir_name(state.global_step)
 
     def restore_rng(self, folder: Path, same_world: bool) -> bool:
         path = rng_file(folder, self.accelerator.process_index)

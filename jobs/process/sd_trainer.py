@@ -7,7 +7,7 @@ from functools import cached_property
 import torch
 
 from toolkit.models.base import LatentDist, PromptEmbeds
-from toolkit.train.losses import min_snr_weights, noise_offset, per_sample_loss, weighted_mean
+from toolkit.train.losses import min_snr_weights, mse_loss, noise_offset, per_sample_loss, weighted_mean
 from toolkit.train.seeding import seeded_generator
 from toolkit.train.timesteps import TimestepParams, sample_timestep_u
 
@@ -97,7 +97,7 @@ class SDTrainer(BaseSDTrainProcess):
                 base = self.adapter.predict(noisy, timesteps, blank, module=module)
             finally:
                 module.enable_adapters()
-        return torch.nn.functional.mse_loss(blank_prediction.float(), base.float())
+        return mse_loss(blank_prediction, base)
 
     def batch_latents(self, batch: dict, generator: torch.Generator) -> torch.Tensor:
         """Latents drawn from the cached encoder output, or from encoding the batch's pixels now."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from .dataset import ImageDataset
 
 log = logging.getLogger("difftune")
 BLANK = ""
+RECENT_ENTRIES = 128  # cached prompts kept in memory (an SD 1.x entry is about 240 KB)
 
 
 class LiveCaptions:
@@ -70,6 +72,7 @@ class CachedCaptions:
         self.adapter, self.dataset, self.cfgs, self.seed, self.trigger_word = adapter, dataset, cfgs, seed, trigger_word
         self.identity = adapter.encoder_identity("text")
         self.roots = roots
+        self._recent = lru_cache(maxsize=RECENT_ENTRIES)(self._read)
         self.folder_of = {BLANK: roots[0]}
         for item in dataset.items:
             self.folder_of.setdefault(item.record.caption, roots[item.dataset])
@@ -112,6 +115,11 @@ class CachedCaptions:
         os.replace(tmp, path)
 
     def load(self, caption: str) -> dict[str, torch.Tensor]:
+        """A cached entry; the most used ones (blank prompt, trigger word, frequent captions) stay in
+        memory instead of being read from disk for every micro-batch."""
+        return self._recent(caption)
+
+    def _read(self, caption: str) -> dict[str, torch.Tensor]:
         path = self.path(caption)
         try:
             return load_file(str(path))
