@@ -32,3 +32,10 @@ def registry():
     from jobs import build_registry
 
     return build_registry(REPO / "extensions")
+
+
+@pytest.fixture(scope="session")
+def tiny_wuerstchen(tiny_cache) -> Path:
+    from toolkit.models.tiny_wuerstchen import ensure_tiny_wuerstchen
+
+    return ensure_tiny_wuerstchen()

@@ -69,8 +69,9 @@ def launch(job: Path, processes: int, cwd: Path, script: Path = REPO / "run.py",
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
 
 
-def held_out_loss(adapter, unet, pixels: torch.Tensor, captions: list[str]) -> float:
-    """Loss of `unet` on a fixed (noise, timestep) batch that training never draws."""
+def held_out_loss(adapter, denoiser, pixels: torch.Tensor, captions: list[str]) -> float:
+    """Loss of `denoiser` (the family's UNet, prior or transformer) on a fixed (noise, timestep) batch that
+    training never draws."""
     from toolkit.train.losses import mse_loss
     from toolkit.train.seeding import seeded_generator
 
@@ -80,5 +81,5 @@ def held_out_loss(adapter, unet, pixels: torch.Tensor, captions: list[str]) -> f
     noisy = adapter.noise_schedule.add_noise(latents, noise, t)
     embeds = adapter.encode_prompts(captions)
     with torch.no_grad():
-        prediction = unet(noisy, t, encoder_hidden_states=embeds.embeds).sample
+        prediction = adapter.predict(noisy, t, embeds, module=denoiser)
     return mse_loss(prediction, adapter.noise_schedule.target(latents, noise, t)).item()

@@ -103,6 +103,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
         )
         if self.renderer.enabled:
             self.renderer.check_size(self.adapter.divisor)
+            if self.adapter.sampling_unavailable():
+                raise ValueError(f"sample.prompts: {self.adapter.sampling_unavailable()}")
         self.checkpointer = checkpoint.Checkpointer(
             self.accelerator, self.checkpoints_dir, self.config.save.max_step_saves_to_keep
         )
@@ -409,7 +411,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
             return
         if self.is_main:
             self.trained_module.eval()
-            with modules_on(self.offloaded, self.accelerator.device):
+            with modules_on(self.offloaded + self.adapter.sampling_only_modules(), self.accelerator.device):
                 self.renderer.render(self.adapter, step)
             self.trained_module.train()
             flush()

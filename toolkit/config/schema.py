@@ -26,10 +26,24 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+QType = Literal["qfloat8", "qint8", "qint4"]
+
+
+class SamplingModelConfig(Section):
+    """A transformer used only to render sample images."""
+
+    name_or_path: str = Field(..., description="A diffusers folder or hub id (e.g. Tongyi-MAI/Z-Image-Turbo), or a "
+                              "single-file transformer .safetensors.")
+    subfolder: str | None = Field("transformer", description="Subfolder of the transformer in a diffusers folder.")
+    quantize: bool = Field(False, description="Quantize it with optimum-quanto.")
+    qtype: QType = Field("qfloat8", description="Weight type of `quantize`.")
+
+
 class ModelConfig(Section):
     """The base model to fine-tune."""
 
-    arch: str = Field(..., description="Model family: sd15 (Stable Diffusion 1.x).",
+    arch: str = Field(..., description="Model family: sd15 (Stable Diffusion 1.x), wuerstchen (Wuerstchen v2 prior), "
+                      "zimage (Z-Image).",
                       json_schema_extra=aka("model_type", "base_model"))
     name_or_path: str = Field(
         ...,
@@ -49,6 +63,29 @@ class ModelConfig(Section):
         "its configs from the hub; give a local folder to load offline.",
     )
 
+    image_encoder_path: str | None = Field(
+        None,
+        description="wuerstchen: the EfficientNetV2-S image encoder's weights: Wuerstchen's stage-B checkpoint "
+        "(its `effnet_state_dict` entry) or a .safetensors file with the same keys; `tiny` with the tiny model.")
+    decoder_name_or_path: str | None = Field(
+        None,
+        description="wuerstchen: the decoder pipeline (folder or hub id, e.g. warp-ai/wuerstchen) that turns the "
+        "prior's image embeddings into sample images; needed only for `sample.prompts`.")
+    quantize: bool = Field(False, description="zimage: quantize the frozen training transformer with "
+                           "optimum-quanto (block by block; embedders and final layers stay in full precision).")
+    qtype: QType = Field("qfloat8", description="zimage: weight type of `quantize`.")
+    quantize_te: bool = Field(False, description="zimage: quantize the text encoder likewise.")
+    qtype_te: QType = Field("qfloat8", description="zimage: weight type of `quantize_te`.")
+    sampling: SamplingModelConfig | None = Field(
+        None, description="zimage: a separate transformer (e.g. Turbo) for sample images; the LoRA being trained "
+        "is applied to it through shared tensors.")
+    low_vram: bool = Field(False, description="zimage: keep every module the current phase does not use on the "
+                           "CPU (text encoder after encoding, VAE after caching, sampling transformer outside "
+                           "sampling).")
+    assistant_lora_path: str | None = Field(
+        None, description="zimage: a LoRA merged into the training transformer only (e.g. a Turbo training "
+        "adapter); never into the sampling transformer or the saved LoRA.")
+
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, value: str) -> str:
@@ -57,6 +94,16 @@ class ModelConfig(Section):
         if value not in available_archs():
             raise ValueError(f"unknown arch '{value}' (known: {', '.join(available_archs())})")
         return value
+
+    @model_validator(mode="after")
+    def _keys_of_this_family(self) -> ModelConfig:
+        """Family-specific keys: a key the family does not use is an error, not silently ignored."""
+        from ..models.registry import family_key_problems
+
+        problems = family_key_problems(self.arch, self.model_fields_set, self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class NetworkConfig(Section):
@@ -327,6 +374,8 @@ class LoggingConfig(Section):
     log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every N steps.")
     debug_timesteps: bool = Field(False, description="Add a 10-bin histogram of the sampled u and the mean loss "
                                   "per bin to each metrics line (main process's draws).")
+    debug_memory: bool = Field(False, description="Log accelerator memory (allocated, reserved, peak) and process "
+                               "RSS around model load, quantization, encoder unloads, LoRA load and sampling.")
 
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")

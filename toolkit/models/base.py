@@ -122,6 +122,14 @@ class ModelAdapter(ABC):
     def sampling_pipeline(self) -> Any:
         """A diffusers pipeline over the current components (LoRA active) for sample images."""
 
+    def sampling_unavailable(self) -> str | None:
+        """Why sample images cannot be rendered with this config (e.g. a missing decoder), or None."""
+        return None
+
+    def sampling_only_modules(self) -> list[torch.nn.Module]:
+        """Modules used only to render samples: they stay on the CPU and visit the accelerator while sampling."""
+        return []
+
     @property
     @abstractmethod
     def device(self) -> torch.device: ...

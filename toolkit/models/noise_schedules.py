@@ -68,7 +68,7 @@ class WuerstchenNoiseSchedule(NoiseSchedule):
     prediction_type = "epsilon"
 
     def __init__(self, scheduler: DDPMWuerstchenScheduler | None = None, t_max: float = 0.999):
-        self.scheduler = scheduler or DDPMWuerstchenScheduler()
+        self.scheduler = DDPMWuerstchenScheduler() if scheduler is None else scheduler  # it has a broken __len__
         self.t_max = t_max
 
     def timesteps(self, u: torch.Tensor) -> torch.Tensor:

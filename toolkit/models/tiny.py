@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +54,10 @@ TINY_SD15 = {
     ),
     "seed": 0,
 }
+
+
+#: written last into a finished preset folder
+COMPLETE_MARK = "difftune_tiny_preset.json"
 
 
 def cache_root() -> Path:
@@ -111,24 +116,33 @@ def _build_tiny_sd15(folder: Path, preset: dict) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
-def ensure_tiny_sd15(preset: dict = TINY_SD15) -> Path:
-    """The folder of the tiny SD 1.x model, built on first use."""
-    folder = _preset_folder("sd15", preset)
-    if (folder / "model_index.json").is_file():
+def ensure_tiny(name: str, preset: dict, build: Callable[[Path, dict], None]) -> Path:
+    """The folder of tiny preset `name`, built by `build(folder, preset)` on first use. The build writes into
+    a temporary folder that is renamed when complete, so a half-built model is never seen."""
+    folder = _preset_folder(name, preset)
+    if (folder / COMPLETE_MARK).is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        _build_tiny_sd15(tmp, preset)
+        build(tmp, preset)
         missing = [p.parent.name for p in tmp.glob("*/config.json") if not any(p.parent.glob("*.safetensors"))]
         if missing:  # e.g. transformers skips writing on non-zero ranks of a distributed run
             raise RuntimeError(f"building the tiny model wrote no weights for: {', '.join(missing)}")
+        (tmp / COMPLETE_MARK).write_text(json.dumps(preset, sort_keys=True))
+        if folder.exists() and not (folder / COMPLETE_MARK).is_file():
+            shutil.rmtree(folder)  # an unfinished build (or one from before the completion mark)
         try:
             tmp.rename(folder)
         except OSError:
-            if not (folder / "model_index.json").is_file():  # lost a race to an incomplete folder
+            if not (folder / COMPLETE_MARK).is_file():  # lost a race to an incomplete folder
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def ensure_tiny_sd15(preset: dict = TINY_SD15) -> Path:
+    """The folder of the tiny SD 1.x model, built on first use."""
+    return ensure_tiny("sd15", preset, _build_tiny_sd15)

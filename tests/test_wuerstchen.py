@@ -1,0 +1,237 @@
+"""Wuerstchen prior (stage C) LoRA: the tiny preset through the real job path, the image encoder's weights,
+the family's config keys, and a 2-process run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from diffusers import DDPMWuerstchenScheduler
+from diffusers.pipelines.deprecated.wuerstchen import WuerstchenPrior, WuerstchenPriorPipeline
+from helpers import QUICKSTART_DATA, held_out_loss, launch, trainer_process, write_job
+from safetensors.torch import save_file
+from torchvision.transforms import Normalize
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from jobs import get_job
+from toolkit.config import ConfigError, load_config
+from toolkit.config.schema import DatasetConfig
+from toolkit.data.dataset import build_dataset, load_pixels
+from toolkit.metrics import read_metrics
+from toolkit.models.tiny_wuerstchen import TINY_WUERSTCHEN, ensure_tiny_wuerstchen
+from toolkit.models.wuerstchen import EfficientNetImageEncoder, read_image_encoder_state
+
+TINY = {"arch": "wuerstchen", "name_or_path": "tiny", "image_encoder_path": "tiny", "decoder_name_or_path": "tiny"}
+UPDATES = 40
+
+
+def wuerstchen_process(tmp, **overrides) -> dict:
+    base = {"model": TINY, "datasets": [{"folder_path": str(QUICKSTART_DATA), "resolution": [96]}]}
+    return trainer_process(tmp, **{**base, **overrides})
+
+
+def run_job(tmp, registry, name: str, process: dict):
+    config, path = load_config(str(write_job(tmp / f"{name}.yaml", name, process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    return job.processes[0], tmp / "output" / name
+
+
+@pytest.fixture(scope="module", params=["live", "cached"])
+def trained(request, tmp_path_factory, registry, tiny_wuerstchen):
+    """A 40-update run with the encoders live, and one with image-embedding and text-embedding caches."""
+    tmp = tmp_path_factory.mktemp(f"wuerstchen_{request.param}")
+    cached = request.param == "cached"
+    process = wuerstchen_process(
+        tmp,
+        network={"linear": 4, "linear_alpha": 8},
+        datasets=[{"folder_path": str(QUICKSTART_DATA), "resolution": [96], "cache_latents": cached}],
+        train={"steps": UPDATES, "lr": 5e-3, "batch_size": 2, "cache_text_embeddings": cached},
+        sample={"prompts": ["[trigger], a red circle"], "sample_steps": 2, "width": 128, "height": 128},
+    )
+    return run_job(tmp, registry, "wuerstchen", process)
+
+
+def prior_pipeline(folder) -> WuerstchenPriorPipeline:
+    """The tiny prior as users load it, part by part (the deprecated pipeline class does not reload whole)."""
+    source = folder / "prior"
+    pipe = WuerstchenPriorPipeline(
+        prior=WuerstchenPrior.from_pretrained(source, subfolder="prior"),
+        text_encoder=CLIPTextModel.from_pretrained(source, subfolder="text_encoder"),
+        tokenizer=CLIPTokenizer.from_pretrained(source, subfolder="tokenizer"),
+        scheduler=DDPMWuerstchenScheduler.from_pretrained(source, subfolder="scheduler"),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def held_out_batch(adapter):
+    dataset = build_dataset([DatasetConfig(folder_path=str(QUICKSTART_DATA), resolution=[96])], "shp",
+                            adapter.divisor)
+    square = [item for item in dataset.items if item.bucket == (96, 96)]
+    return torch.stack([load_pixels(item) for item in square]), [item.record.caption for item in square]
+
+
+def test_tiny_run_is_finite_and_writes_a_sample(trained):
+    _, run_dir = trained
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, UPDATES + 1))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [f"step_{UPDATES:09d}_0.png"]
+
+
+def test_default_clipping_keeps_a_random_init_prior_finite(tmp_path, registry, tiny_cache):
+    """The prior predicts (x - a) / |1 - b|: at plain random init its gradients are huge. The default
+    max_grad_norm (1.0) clips them and the run's losses stay finite."""
+    raw = ensure_tiny_wuerstchen({**TINY_WUERSTCHEN, "prior_out_scale": 1.0})
+    model = {"arch": "wuerstchen", "name_or_path": str(raw / "prior"),
+             "image_encoder_path": str(raw / "image_encoder.safetensors")}
+    process, run_dir = run_job(tmp_path, registry, "raw", wuerstchen_process(
+        tmp_path, model=model, train={"steps": 20, "lr": 1e-3, "batch_size": 2}))
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert process.config.train.max_grad_norm == 1.0
+    assert len(records) == 20 and all(math.isfinite(r["loss"]) for r in records)
+    assert max(r["grad_norm"] for r in records) > 100  # what the clipping had to tame
+
+
+def test_caches_are_used_when_asked(trained):
+    process, _ = trained
+    cached = process.config.train.cache_text_embeddings
+    assert (type(process.conditioning).__name__ == "CachedCaptions") == cached
+    assert (process.dataset.latents is not None) == cached
+    if cached:  # the encoders left the accelerator list for the rest of training
+        assert process.adapter.image_encoder in process.offloaded
+        assert process.adapter.text_encoder in process.offloaded
+
+
+def test_prior_learns_and_lora_loads_in_the_prior_pipeline(trained, tiny_wuerstchen):
+    process, run_dir = trained
+    adapter = process.adapter
+    pipe = prior_pipeline(tiny_wuerstchen)
+    pixels, captions = held_out_batch(adapter)
+
+    def embeddings():
+        return pipe("shp, a red circle", num_inference_steps=2, height=128, width=128, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).image_embeddings
+
+    before_loss = held_out_loss(adapter, pipe.prior, pixels, captions)
+    before = embeddings()
+    pipe.load_lora_weights(str(run_dir), weight_name="wuerstchen.safetensors")
+    after_loss = held_out_loss(adapter, pipe.prior, pixels, captions)
+    after = embeddings()
+
+    assert after_loss < before_loss * 0.95, (before_loss, after_loss)
+    assert (after - before).abs().max() > 1e-3
+    # the file reproduces the trained prior (alpha / rank scaling included)
+    adapter.prior.eval()
+    assert held_out_loss(adapter, adapter.prior, pixels, captions) == pytest.approx(after_loss, rel=1e-4)
+
+
+def test_lora_targets_the_prior_attention(trained):
+    process, _ = trained
+    from safetensors import safe_open
+
+    with safe_open(str(process.final_lora_path), "pt") as handle:
+        keys = list(handle.keys())
+    assert keys and all(k.startswith("prior.") for k in keys)
+    targets = {k.split(".lora.")[0].split(".attention.")[-1] for k in keys}
+    assert targets == {"to_q", "to_k", "to_v", "to_out.0"}  # the tiny prior has no added k/v projections
+
+
+def test_embeddings_are_the_scaled_imagenet_normalised_encoder_output(tiny_wuerstchen):
+    from toolkit.config.schema import ModelConfig
+    from toolkit.models.wuerstchen import WuerstchenAdapter
+
+    adapter = WuerstchenAdapter.load(ModelConfig(**TINY), torch.device("cpu"), torch.float32)
+    pixels = torch.rand(2, 3, 64, 96) * 2 - 1
+    normalise = Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    with torch.no_grad():
+        expected = adapter.image_encoder(normalise((pixels + 1) / 2)).add(1).div(42)
+    assert adapter.encode_images(pixels).shape == (2, 16, 2, 3)  # 32x smaller
+    torch.testing.assert_close(adapter.encode_images(pixels), expected)
+    # the cache key follows the encoder's weights
+    identity = adapter.encoder_identity("image")
+    with torch.no_grad():
+        adapter.image_encoder.mapper[0].weight.mul_(1.01)
+    assert adapter.encoder_identity("image") != identity
+
+
+@pytest.fixture(scope="module")
+def encoder_state():
+    torch.manual_seed(0)
+    encoder = EfficientNetImageEncoder(width=0.125).eval()
+    return encoder, {k: v.clone() for k, v in encoder.state_dict().items()}
+
+
+def test_image_encoder_loads_a_stage_b_checkpoint_and_safetensors(tmp_path, encoder_state):
+    encoder, state = encoder_state
+    checkpoint = tmp_path / "model_v2_stage_b.pt"
+    torch.save({"effnet_state_dict": state, "state_dict": {"other.weight": torch.zeros(1)}}, checkpoint)
+    safetensors = tmp_path / "effnet.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, safetensors)
+    pixels = torch.randn(1, 3, 64, 64)
+    for path in (checkpoint, safetensors):
+        loaded = EfficientNetImageEncoder.from_state_dict(read_image_encoder_state(str(path)), str(path)).eval()
+        assert loaded.stage_channels == encoder.stage_channels == [8, 8, 8, 8, 16, 16, 32]
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(pixels), encoder(pixels))
+
+
+def test_tiny_encoder_has_the_real_key_layout(encoder_state):
+    """Same stages and layers as torchvision's EfficientNetV2-S, so a real stage-B state dict fits its keys."""
+    _, state = encoder_state
+    real = EfficientNetImageEncoder(width=1.0)
+    assert set(real.state_dict()) == set(state)
+    assert real.state_dict()["mapper.0.weight"].shape == (16, 1280, 1, 1)
+
+
+def test_image_encoder_rejects_wrong_weights_clearly(tmp_path, encoder_state):
+    _, state = encoder_state
+    vae_like = tmp_path / "vae.safetensors"
+    save_file({"encoder.conv_in.weight": torch.zeros(8, 3, 3, 3)}, vae_like)
+    with pytest.raises(ValueError, match=r"vae.safetensors: not a Wuerstchen EfficientNet image encoder"):
+        EfficientNetImageEncoder.from_state_dict(read_image_encoder_state(str(vae_like)), str(vae_like))
+
+    missing = {k: v for k, v in state.items() if not k.startswith("backbone.7.")}
+    with pytest.raises(ValueError, match=r"cut.pt: not a Wuerstchen EfficientNet image encoder \(no 'backbone.7.0"):
+        EfficientNetImageEncoder.from_state_dict(missing, "cut.pt")
+    mixed = {**state, "mapper.0.weight": torch.zeros(16, 1280, 1, 1)}  # a full-width mapper on a tiny backbone
+    with pytest.raises(ValueError, match=r"mixed.pt: weights do not fit .*: wrong shape mapper.0.weight \(1\)"):
+        EfficientNetImageEncoder.from_state_dict(mixed, "mixed.pt")
+
+    no_effnet = tmp_path / "stage_b.pt"
+    torch.save({"state_dict": {"x": torch.zeros(1)}}, no_effnet)
+    with pytest.raises(ValueError, match=r"stage_b.pt: no `effnet_state_dict`"):
+        read_image_encoder_state(str(no_effnet))
+    with pytest.raises(FileNotFoundError, match="model.image_encoder_path"):
+        read_image_encoder_state(str(tmp_path / "absent.pt"))
+
+
+def test_family_keys_are_checked_in_the_config(tmp_path, registry):
+    no_encoder = wuerstchen_process(tmp_path, model={"arch": "wuerstchen", "name_or_path": "tiny"})
+    with pytest.raises(ConfigError, match="arch wuerstchen needs model.image_encoder_path"):
+        load_config(str(write_job(tmp_path / "a.yaml", "a", no_encoder)), registry)
+    misplaced = trainer_process(tmp_path, model={"arch": "sd15", "name_or_path": "tiny", "decoder_name_or_path": "x"})
+    with pytest.raises(ConfigError, match="model.decoder_name_or_path is not used by arch sd15"):
+        load_config(str(write_job(tmp_path / "b.yaml", "b", misplaced)), registry)
+
+
+def test_sample_prompts_without_a_decoder_fail_before_training(tmp_path, registry, tiny_wuerstchen):
+    process = wuerstchen_process(tmp_path, model={**TINY, "decoder_name_or_path": None},
+                                 sample={"prompts": ["a red circle"], "width": 128, "height": 128})
+    with pytest.raises(ValueError, match="decoder_name_or_path"):
+        run_job(tmp_path, registry, "nodecoder", process)
+    assert not (tmp_path / "output" / "nodecoder" / "checkpoints").exists()
+
+
+def test_two_processes_complete_the_planned_updates(tmp_path, tiny_wuerstchen):
+    """8 images, batch 1, 2 processes: 4 updates per epoch; 6 updates."""
+    process = wuerstchen_process(tmp_path, train={"steps": 6, "batch_size": 1, "lr": 1e-3})
+    job = write_job(tmp_path / "job.yaml", "two", process)
+    result = launch(job, 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert (tmp_path / "output" / "two" / "two.safetensors").is_file()
