@@ -158,7 +158,7 @@ def test_without_shuffle_cached_embeddings_never_change(tmp_path, adapter):
 
 def test_permutation_leaves_short_prompts_alone():
     embeds = torch.arange(10.0).reshape(5, 2)
-    assert torch.equal(permute_tokens(embeds, 3, torch.Generator().manual_seed(0)), embeds)
+    assert torch.equal(permute_tokens(embeds, (1, 2), torch.Generator().manual_seed(0)), embeds)
 
 
 def test_empty_caption_uses_the_trigger_or_explains_the_fix(tmp_path, adapter):

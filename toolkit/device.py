@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import gc
-from contextlib import contextmanager
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
@@ -36,15 +42,145 @@ def flush() -> None:
         torch.cuda.empty_cache()
 
 
+def tensor_devices(module: torch.nn.Module) -> dict[str, torch.device]:
+    """Where each parameter and buffer of `module` lives, by qualified name (parameters first).
+
+    A quanto QTensor reports the device of its inner data, so quantized modules need no special case.
+    """
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    return {name: tensor.device for name, tensor in tensors}
+
+
+def _is_on(current: torch.device, target: torch.device) -> bool:
+    # A target without an index ("cuda") matches any index of its type, as in "the module is on the GPU".
+    return current.type == target.type and (target.index is None or current.index == target.index)
+
+
+def safe_module_to_device(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """Move `module` to `device`; every module move in the project goes through here.
+
+    Why not a bare `module.to(device)`: it is skipped when there is nothing to move (no copies, no
+    allocator traffic); a module with `meta` tensors (never materialised) fails here with its name instead
+    of deep inside torch; cached accelerator memory is released after a module leaves the accelerator;
+    and a failed swap of a quantized weight gets an explanation. quanto's QTensors move with `.to` like any
+    tensor (their data and scales move together, the dtype is kept), so no special case is needed.
+    """
+    target = torch.device(device)
+    devices = tensor_devices(module)
+    on_meta = [name for name, current in devices.items() if current.type == "meta"]
+    if on_meta:
+        raise ValueError(
+            f"cannot move {type(module).__name__} to {target}: its tensor {on_meta[0]!r} is on the meta "
+            "device (never loaded); load its weights first"
+        )
+    if all(_is_on(current, target) for current in devices.values()):
+        return module
+    leaves_accelerator = target.type == "cpu" and any(current.type != "cpu" for current in devices.values())
+    _move(module, target)
+    if leaves_accelerator:
+        flush()
+    return module
+
+
+def _move(module: torch.nn.Module, target: torch.device) -> None:
+    try:
+        module.to(target)
+    except RuntimeError as error:
+        # torch moves tensor-subclass parameters (quanto QTensors) by swapping them in place, which it refuses
+        # while an autograd graph still holds one; its own message does not say so.
+        if "swap" not in str(error):
+            raise
+        raise RuntimeError(
+            f"cannot move {type(module).__name__} to {target}: {error}. Quantized (QTensor) weights are "
+            "swapped in place, which torch refuses while an autograd graph still refers to one (an output "
+            "computed with gradients and not yet backpropagated or released). The module may now be partly "
+            "moved."
+        ) from error
+
+
+def _home(module: torch.nn.Module) -> torch.device | None:
+    return next(iter(tensor_devices(module).values()), None)
+
+
 @contextmanager
-def modules_on(modules: list[torch.nn.Module], device: torch.device):
-    """Bring modules that were moved off the accelerator back for a while (e.g. to render samples)."""
-    homes = [next(module.parameters()).device for module in modules]
-    for module in modules:
-        module.to(device)
+def modules_on(modules: list[torch.nn.Module], device: torch.device,
+               while_moving: Callable[[], AbstractContextManager] = nullcontext):
+    """Bring modules that were moved off the accelerator back for a while (e.g. to render samples).
+    `while_moving()` is entered around each batch of moves (e.g. to keep shared LoRA layers where they are)."""
+    homes = [_home(module) for module in modules]
+    with while_moving():
+        for module in modules:
+            safe_module_to_device(module, device)
     try:
         yield
     finally:
-        for module, home in zip(modules, homes):
-            module.to(home)
-        flush()
+        # safe_module_to_device flushes when a module leaves the accelerator, so no flush() here.
+        with while_moving():
+            for module, home in zip(modules, homes, strict=True):
+                if home is not None:
+                    safe_module_to_device(module, home)
+
+
+def process_rss_bytes() -> int | None:
+    """Resident memory of this process now; None where /proc is missing (not Linux).
+
+    /proc/self/statm rather than psutil: no extra dependency, and `resource` only knows the peak.
+    """
+    try:
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def accelerator_memory() -> dict[str, int]:
+    """CUDA allocated / reserved / peak bytes; empty unless CUDA is in use (asking would initialise it)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {
+        "allocated": torch.cuda.memory_allocated(),
+        "reserved": torch.cuda.memory_reserved(),
+        "peak": torch.cuda.max_memory_allocated(),
+    }
+
+
+def memory_snapshot() -> dict[str, int]:
+    """Process RSS and accelerator memory now, in bytes (keys absent where unknown)."""
+    rss = process_rss_bytes()
+    return {**({"rss": rss} if rss is not None else {}), **accelerator_memory()}
+
+
+@contextmanager
+def memory_debug(label: str, enabled: bool, log: logging.Logger | None = None) -> Iterator[dict[str, Any]]:
+    """Log memory before and after the block as one record, when `enabled` (the `debug_memory` setting).
+
+    Yields the record, a plain dict (`label`, `seconds`, `<what>_before` / `<what>_after` in bytes for
+    rss, allocated, reserved, peak), filled when the block ends, even by an exception (an OOM is
+    when it matters most). The log record carries it as `record.memory` for a metrics writer. Disabled,
+    it yields an empty dict and measures nothing, so call sites need no `if`. `peak` is torch's peak
+    since start or its last reset: this does not reset it, so that nested blocks do not disturb each other.
+    """
+    if not enabled:
+        yield {}
+        return
+    record: dict[str, Any] = {"label": label}
+    before, start = memory_snapshot(), time.perf_counter()
+    try:
+        yield record
+    finally:
+        record["seconds"] = time.perf_counter() - start
+        after = memory_snapshot()
+        record.update({f"{key}_before": value for key, value in before.items()})
+        record.update({f"{key}_after": value for key, value in after.items()})
+        (log or logging.getLogger("difftune")).info(describe_memory(record), extra={"memory": record})
+
+
+def describe_memory(record: dict[str, Any]) -> str:
+    """One log line for a memory_debug record, in MiB."""
+    parts = [f"memory [{record['label']}] {record['seconds']:.2f}s"]
+    for key in ("rss", "allocated", "reserved", "peak"):
+        if f"{key}_before" in record:
+            before, after = record[f"{key}_before"] / 2**20, record[f"{key}_after"] / 2**20
+            parts.append(f"{key} {before:.0f}->{after:.0f} MiB")
+    return ", ".join(parts)

@@ -47,7 +47,8 @@ class SampleRenderer:
                 prompt=prompt,
                 negative_prompt=self.cfg.neg or None,
                 num_inference_steps=self.cfg.sample_steps,
-                guidance_scale=self.cfg.guidance_scale,
+                guidance_scale=adapter.default_guidance_scale if self.cfg.guidance_scale is None
+                else self.cfg.guidance_scale,
                 width=self.cfg.width,
                 height=self.cfg.height,
                 generator=torch.Generator(device="cpu").manual_seed(seed),

@@ -7,6 +7,7 @@ import logging
 import math
 import time
 import warnings
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +21,12 @@ from toolkit.data.buckets import BucketBatchSampler
 from toolkit.data.dataset import build_dataset, collate
 from toolkit.data.latent_cache import LatentCache, cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
-from toolkit.device import DTYPES, flush, modules_on, torch_dtype
+from toolkit.device import DTYPES, flush, memory_debug, modules_on, safe_module_to_device, torch_dtype
 from toolkit.metrics import MetricsWriter, TimestepStats, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
 from toolkit.network.formats import kohya_metadata, to_comfy
 from toolkit.network.lora import (
-    add_lora, compare_lora_state, load_lora_file, lora_state_dict, write_lora_file, write_safetensors,
+    add_lora, compare_lora_state, load_lora_file, lora_state_dict, mirror_lora, write_lora_file, write_safetensors,
 )
 from toolkit.sampling import SampleRenderer
 from toolkit.signals import GracefulStop
@@ -85,11 +86,14 @@ class BaseSDTrainProcess(BaseTrainProcess):
         self.lora_params = add_lora(
             self.adapter.trainable_module(), self.config.network, self.adapter.lora_target_modules()
         )
+        self.mirrors = [mirror_lora(self.adapter.trainable_module(), mirror, self.config.network,
+                                    self.adapter.lora_target_modules()) for mirror in self.adapter.lora_mirrors()]
         self.dataset = build_dataset(self.config.datasets, self.config.trigger_word, self.adapter.divisor)
         self.warn_overlong_captions()
         self.check_timestep_options()
         if self.config.train.blank_prompt_preservation:  # encoded now: the text encoder may leave with the cache
-            self.blank_embeds = self.adapter.blank_prompt_embeds()
+            with self.visiting(self.adapter.text_encoder_modules()):
+                self.blank_embeds = self.adapter.blank_prompt_embeds().to(self.accelerator.device)
         self.build_caches()
         self.batch_sampler = BucketBatchSampler(
             self.dataset.bucket_keys(), self.config.train.batch_size, self.config.train.seed
@@ -120,7 +124,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
         # The main process first: it alone downloads or builds (tiny presets) what is missing; the others
         # then read the finished files instead of racing to write them.
         with self.accelerator.main_process_first():
-            adapter = adapter_class.load(self.config.model, device, torch_dtype(self.config.model.dtype, device))
+            adapter = adapter_class.load(self.config.model, device, torch_dtype(self.config.model.dtype, device),
+                                         debug_memory=self.config.logging.debug_memory)
         if self.config.train.gradient_checkpointing:
             adapter.trainable_module().enable_gradient_checkpointing()
         log.info("model: %s", adapter.describe())
@@ -148,23 +153,33 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if caching:
             cache = LatentCache(self.dataset, caching, {i: cfgs[i].cache_latents_to_disk for i in caching},
                                 self.adapter.encoder_identity("image"))
-            cache.build(self.adapter, self.accelerator)
+            with self.visiting(self.adapter.image_encoder_modules()):
+                cache.build(self.adapter, self.accelerator)
             self.dataset.latents = cache
             if cache.covers_everything:
-                self.offload(self.adapter.image_encoder_modules())
+                self.offload(self.adapter.image_encoder_modules(), "image encoder unload")
         if train.cache_text_embeddings:
             self.conditioning = CachedCaptions(self.adapter, self.dataset, cfgs, train.seed, self.config.trigger_word,
                                                roots)
-            self.conditioning.build(self.accelerator)
-            self.offload(self.adapter.text_encoder_modules())
+            with self.visiting(self.adapter.text_encoder_modules()):
+                self.conditioning.build(self.accelerator)
+            self.offload(self.adapter.text_encoder_modules(), "text encoder unload")
         else:
             self.conditioning = LiveCaptions(self.adapter, self.dataset, cfgs, train.seed, self.config.trigger_word)
+        # encoders still needed in the loop (live encoding) are on the accelerator, also under low_vram
+        for module in self.adapter.image_encoder_modules() + self.adapter.text_encoder_modules():
+            if module not in self.offloaded:
+                safe_module_to_device(module, self.accelerator.device)
 
-    def offload(self, modules: list[torch.nn.Module]) -> None:
-        for module in modules:
-            module.to("cpu")
+    def visiting(self, modules: list[torch.nn.Module]):
+        """With `model.low_vram`, encoders wait on the CPU and visit the accelerator only while they work."""
+        return modules_on(modules, self.accelerator.device) if self.config.model.low_vram else nullcontext()
+
+    def offload(self, modules: list[torch.nn.Module], label: str) -> None:
+        with memory_debug(label, self.config.logging.debug_memory):
+            for module in modules:
+                safe_module_to_device(module, "cpu")
         self.offloaded += modules
-        flush()
 
     def make_plan(self) -> TrainingPlan:
         train = self.config.train
@@ -248,7 +263,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
             raise checkpoint.CheckpointError(
                 f"checkpoint {folder} does not match the current config: " + "; ".join(problems)
             )
-        load_lora_file(self.adapter.trainable_module(), lora_file, self.adapter.lora_prefix)
+        with memory_debug("LoRA load", self.config.logging.debug_memory):
+            load_lora_file(self.adapter.trainable_module(), lora_file, self.adapter.lora_prefix)
         for change in checkpoint.load_optimizer_keeping_hyperparameters(self.optimizer, saved_optimizer):
             log.info("optimizer setting changed since the checkpoint: %s", change)
         scaler = self.accelerator.scaler
@@ -411,11 +427,27 @@ class BaseSDTrainProcess(BaseTrainProcess):
             return
         if self.is_main:
             self.trained_module.eval()
-            with modules_on(self.offloaded + self.adapter.sampling_only_modules(), self.accelerator.device):
+            modules = self.offloaded + self.adapter.sampling_only_modules()
+            # fork_rng: whatever a pipeline draws from the global RNG is not taken from training's stream
+            with memory_debug("sampling", self.config.logging.debug_memory), \
+                    modules_on(modules, self.accelerator.device, while_moving=self.mirrors_detached), \
+                    torch.random.fork_rng(devices=self.cuda_devices()):
                 self.renderer.render(self.adapter, step)
             self.trained_module.train()
             flush()
         self.accelerator.wait_for_everyone()
+
+    def cuda_devices(self) -> list[int]:
+        device = self.accelerator.device
+        return [device.index or 0] if device.type == "cuda" else []
+
+    @contextmanager
+    def mirrors_detached(self):
+        """While models that share the trained LoRA move, the LoRA stays where training keeps it."""
+        with ExitStack() as stack:
+            for mirror in self.mirrors:
+                stack.enter_context(mirror.detached())
+            yield
 
     def lora_metadata(self) -> dict[str, str]:
         facts = self.adapter.describe()
@@ -439,7 +471,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if "comfy" in formats:
             path = self.final_lora_path.with_suffix(".comfy.safetensors")
             network, adapter = self.config.network, self.adapter
-            state = to_comfy(self.lora_state(dtype), {adapter.lora_prefix: adapter.comfy_prefix}, network.linear_alpha)
+            state = to_comfy(self.lora_state(dtype), {adapter.lora_prefix: adapter.comfy_prefix}, network.linear_alpha,
+                             adapter.comfy_separator)
             meta = {**self.lora_metadata(), **kohya_metadata(network.linear, network.linear_alpha,
                                                              adapter.kohya_base_model)}
             write_safetensors(path, state, meta)

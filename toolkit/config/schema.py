@@ -59,8 +59,10 @@ class ModelConfig(Section):
     single_file_config: str | None = Field(
         None,
         description="For a single-file checkpoint: a diffusers folder or hub id whose component configs "
-        "(and tokenizer) describe it. Default: diffusers picks one from the checkpoint's keys and fetches "
-        "its configs from the hub; give a local folder to load offline.",
+        "(and tokenizer) describe it. sd15: default, diffusers picks one from the checkpoint's keys and fetches "
+        "its configs from the hub; give a local folder to load offline. zimage (a single-file transformer): "
+        "the folder or hub id that gives the transformer config, text encoder, tokenizer, VAE and scheduler; "
+        "default Tongyi-MAI/Z-Image-Turbo.",
     )
 
     image_encoder_path: str | None = Field(
@@ -79,9 +81,9 @@ class ModelConfig(Section):
     sampling: SamplingModelConfig | None = Field(
         None, description="zimage: a separate transformer (e.g. Turbo) for sample images; the LoRA being trained "
         "is applied to it through shared tensors.")
-    low_vram: bool = Field(False, description="zimage: keep every module the current phase does not use on the "
-                           "CPU (text encoder after encoding, VAE after caching, sampling transformer outside "
-                           "sampling).")
+    low_vram: bool = Field(False, description="Keep every module the current phase does not use on the CPU: the "
+                           "encoders visit the accelerator only to build the caches (or stay for live encoding), "
+                           "and sample-only models only while sampling.")
     assistant_lora_path: str | None = Field(
         None, description="zimage: a LoRA merged into the training transformer only (e.g. a Turbo training "
         "adapter); never into the sampling transformer or the saved LoRA.")
@@ -359,7 +361,9 @@ class SampleConfig(Section):
     neg: str = Field("", description="Negative prompt.", json_schema_extra=aka("negative_prompt"))
     seed: int = Field(42, description="Seed of the first prompt.")
     walk_seed: bool = Field(True, description="Prompt i uses seed + i (otherwise every prompt uses `seed`).")
-    guidance_scale: float = Field(7.0, ge=0, description="Classifier-free guidance scale.",
+    guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale; default per "
+                                         "family: sd15 7, wuerstchen 4 (the prior), zimage 0 (off, for Turbo; "
+                                         "the base model wants about 4).",
                                   json_schema_extra=aka("cfg_scale", "cfg"))
     sample_steps: int = Field(20, ge=1, description="Denoising steps per sample.",
                               json_schema_extra=aka("num_inference_steps", "steps"))

@@ -50,17 +50,15 @@ class LiveCaptions:
         return self.adapter.encode_prompts([self.caption(i, epoch) for i in indices])
 
 
-def permute_tokens(embeds: torch.Tensor, length: int, generator: torch.Generator) -> torch.Tensor:
-    """Shuffle the positions of the real tokens of one cached prompt ([tokens, dim]).
-
-    Position 0 (the start token) and the end token stay, and so does the padding after it; only the
-    positions 1 .. length-2 move.
-    """
-    inner = length - 2
+def permute_tokens(embeds: torch.Tensor, span: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """Shuffle the positions `span` = [first, stop) of one cached prompt ([tokens, dim]): the caption's own
+    tokens. What comes before (start token, chat template) and after (end token, template, padding) stays."""
+    first, stop = span
+    inner = stop - first
     if inner < 2:
         return embeds
     order = torch.arange(embeds.shape[0])
-    order[1 : 1 + inner] = 1 + torch.randperm(inner, generator=generator)
+    order[first:stop] = first + torch.randperm(inner, generator=generator)
     return embeds[order]
 
 
@@ -162,7 +160,7 @@ class CachedCaptions:
             cfg = self.cfgs[self.dataset.items[index].dataset]
             if cfg.shuffle_tokens and key != BLANK and "length" in entry:
                 generator = seeded_generator(self.seed, "token_shuffle", epoch, index)
-                embeds = permute_tokens(embeds, int(entry["length"]), generator)
+                embeds = permute_tokens(embeds, self.adapter.caption_token_span(int(entry["length"])), generator)
             rows.append(embeds)
             masks.append(entry.get("attention_mask"))
             lengths.append(entry.get("length"))

@@ -69,11 +69,18 @@ class ModelAdapter(ABC):
     lora_prefix: ClassVar[str]
     #: the same module's prefix in ComfyUI/kohya LoRA files, and the kohya base-model tag
     comfy_prefix: ClassVar[str]
+    #: how the ComfyUI prefix and the module path join: "_" (kohya: lora_unet_down_blocks_0_...) or "."
+    comfy_separator: ClassVar[str] = "_"
     kohya_base_model: ClassVar[str]
+
+    #: `sample.guidance_scale` when the config leaves it unset
+    default_guidance_scale: ClassVar[float] = 7.0
 
     @classmethod
     @abstractmethod
-    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ModelAdapter: ...
+    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False) -> ModelAdapter:
+        """Load (or build, for tiny presets) and place every component; `debug_memory` logs memory per stage."""
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds: ...
@@ -126,6 +133,10 @@ class ModelAdapter(ABC):
         """Why sample images cannot be rendered with this config (e.g. a missing decoder), or None."""
         return None
 
+    def lora_mirrors(self) -> list[torch.nn.Module]:
+        """Other models that carry the trained LoRA (sharing its layers), e.g. a separate sampling model."""
+        return []
+
     def sampling_only_modules(self) -> list[torch.nn.Module]:
         """Modules used only to render samples: they stay on the CPU and visit the accelerator while sampling."""
         return []
@@ -146,6 +157,11 @@ class ModelAdapter(ABC):
     def blank_prompt_embeds(self) -> PromptEmbeds:
         """The empty prompt's conditioning (blank-prompt preservation, caption dropout)."""
         return self.encode_prompts([""])
+
+    def caption_token_span(self, length: int) -> tuple[int, int]:
+        """[first, stop) positions of the caption's own tokens in a prompt of `length` tokens (cached-embedding
+        token shuffling moves only these): between the start and the end token by default."""
+        return 1, length - 1
 
     def overlong_prompts(self, prompts: list[str]) -> list[int]:
         """Indices of prompts the text encoder will cut; families without a limit return none."""

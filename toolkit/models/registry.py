@@ -16,7 +16,7 @@ ADAPTERS: dict[str, str] = {
 
 #: `model` keys that only some families use, and which families use them
 FAMILY_MODEL_KEYS: dict[str, set[str]] = {
-    "single_file_config": {"sd15"},
+    "single_file_config": {"sd15", "zimage"},
     "image_encoder_path": {"wuerstchen"},
     "decoder_name_or_path": {"wuerstchen"},
     "quantize": {"zimage"},
@@ -24,7 +24,6 @@ FAMILY_MODEL_KEYS: dict[str, set[str]] = {
     "quantize_te": {"zimage"},
     "qtype_te": {"zimage"},
     "sampling": {"zimage"},
-    "low_vram": {"zimage"},
     "assistant_lora_path": {"zimage"},
 }
 

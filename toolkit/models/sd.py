@@ -17,6 +17,7 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
+from ..device import memory_debug
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
 from .noise_schedules import DDPMNoiseSchedule
@@ -43,14 +44,16 @@ class SD15Adapter(ModelAdapter):
         self._denoiser: torch.nn.Module = unet
 
     @classmethod
-    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> SD15Adapter:
+    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False) -> SD15Adapter:
         source = normalize_path(model_cfg.name_or_path)
         if source == "tiny":
             source = str(ensure_tiny_sd15())
-        if source.endswith((".safetensors", ".ckpt")):
-            parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
-        else:
-            parts = cls._load_folder(source, model_cfg, dtype)
+        with memory_debug("model load", debug_memory):
+            if source.endswith((".safetensors", ".ckpt")):
+                parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
+            else:
+                parts = cls._load_folder(source, model_cfg, dtype)
         adapter = cls(*parts, source=source)
         adapter._freeze_and_place(device)
         return adapter

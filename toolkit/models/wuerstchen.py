@@ -26,6 +26,7 @@ from torchvision.models import efficientnet
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
+from ..device import memory_debug
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
 from .noise_schedules import WuerstchenNoiseSchedule
@@ -147,6 +148,7 @@ class WuerstchenAdapter(ModelAdapter):
     # No ComfyUI loader exists for Wuerstchen v2; kohya-style keys under OneTrainer's prefix for the prior.
     comfy_prefix = "lora_prior_unet"
     kohya_base_model = "wuerstchen_v2"
+    default_guidance_scale = 4.0  # WuerstchenPriorPipeline's default
     #: EfficientNetV2-S reduces the image 32x; the prior is fully convolutional at that size
     divisor = 32
 
@@ -165,12 +167,14 @@ class WuerstchenAdapter(ModelAdapter):
     # ---- loading -------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> WuerstchenAdapter:
+    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False) -> WuerstchenAdapter:
         sources = cls._resolve_sources(model_cfg)
-        prior_parts = cls._load_prior_parts(sources["prior"], model_cfg, dtype)
-        state = read_image_encoder_state(sources["image_encoder"])
-        image_encoder = EfficientNetImageEncoder.from_state_dict(state, sources["image_encoder"]).to(dtype)
-        decoder = cls._load_decoder(sources["decoder"], dtype) if "decoder" in sources else None
+        with memory_debug("model load", debug_memory):
+            prior_parts = cls._load_prior_parts(sources["prior"], model_cfg, dtype)
+            state = read_image_encoder_state(sources["image_encoder"])
+            image_encoder = EfficientNetImageEncoder.from_state_dict(state, sources["image_encoder"]).to(dtype)
+            decoder = cls._load_decoder(sources["decoder"], dtype) if "decoder" in sources else None
         adapter = cls(*prior_parts, image_encoder=image_encoder, decoder=decoder, sources=sources)
         adapter._freeze_and_place(device)
         return adapter

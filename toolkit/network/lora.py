@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 
 from ..config.schema import NetworkConfig
+
+
+#: peft adapter name of a merged assistant LoRA while it is being merged
+ASSISTANT_ADAPTER = "assistant"
 
 
 def build_lora_config(cfg: NetworkConfig, default_targets: list[str]) -> LoraConfig:
@@ -41,7 +47,10 @@ def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[
 def lora_state_dict(module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The adapter's weights with diffusers' keys (`<prefix>.<module>.lora.down.weight`), on the CPU."""
     state = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
-    return {f"{prefix}.{key}": value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
+    # diffusers' converter renames only modules it knows (e.g. not Z-Image's feed_forward.w1): finish the job, so
+    # every key has one form; its loaders map `.lora.down` / `.lora.up` back to peft either way
+    return {f"{prefix}.{key.replace('.lora_A.', '.lora.down.').replace('.lora_B.', '.lora.up.')}":
+            value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
 
 
 def adapter_metadata(module: torch.nn.Module, prefix: str) -> str:
@@ -62,6 +71,66 @@ def write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict
 def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str], module, prefix: str) -> None:
     """A diffusers-format LoRA file, with the peft config in the header so alpha loads back."""
     write_safetensors(path, state, {LORA_ADAPTER_METADATA_KEY: adapter_metadata(module, prefix), **metadata})
+
+
+def merge_lora_state(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str,
+                     metadata: dict | None = None) -> None:
+    """Merge a LoRA (diffusers keys under `prefix`; `metadata`: the peft config from its header, which carries
+    alpha) into `module`'s weights and drop its layers: a frozen assistant adapter costs nothing afterwards.
+    Merge before quantizing; peft's merge into quantized weights is wrong."""
+    module.load_lora_adapter(state, prefix=prefix, adapter_name=ASSISTANT_ADAPTER, metadata=metadata)
+    module.fuse_lora(adapter_names=[ASSISTANT_ADAPTER])
+    module.unload_lora()
+
+
+class LoraMirror:
+    """The trained LoRA carried by a second model of the same structure (e.g. a separate sampling
+    transformer): its LoRA layers hold the very modules of the trained model, so they share parameters and can
+    never go stale. `detached()` takes them out while the mirror moves between devices, so that moving it
+    leaves the trained LoRA where it is."""
+
+    PARTS = ("lora_A", "lora_B", "lora_dropout")
+
+    def __init__(self, mirror: torch.nn.Module, layers: list[tuple[torch.nn.Module, torch.nn.Module]]):
+        self.mirror = mirror
+        self.layers = layers  # (mirror layer, trained layer)
+
+    def shared_parameters(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(mirror's, trained) LoRA parameter pairs, for checks."""
+        return [(mine, theirs) for layer, source in self.layers for part in ("lora_A", "lora_B")
+                for mine, theirs in zip(getattr(layer, part).parameters(), getattr(source, part).parameters())]
+
+    @contextmanager
+    def detached(self):
+        for layer, _ in self.layers:
+            for part in self.PARTS:
+                del getattr(layer, part)["default"]
+        try:
+            yield
+        finally:
+            for layer, source in self.layers:
+                for part in self.PARTS:
+                    getattr(layer, part)["default"] = getattr(source, part)["default"]
+
+
+def mirror_lora(trained: torch.nn.Module, mirror: torch.nn.Module, cfg: NetworkConfig,
+                default_targets: list[str]) -> LoraMirror:
+    """Give `mirror` the LoRA of `trained` (after `add_lora` on it) by sharing its LoRA modules."""
+    mirror.add_adapter(build_lora_config(cfg, default_targets))
+    sources = {name: module for name, module in trained.named_modules() if isinstance(module, LoraLayer)}
+    layers = []
+    for name, layer in mirror.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        if name not in sources:
+            raise ValueError(f"the LoRA layer {name} of the mirrored model has no counterpart in the trained model")
+        layers.append((layer, sources[name]))
+    if len(layers) != len(sources):
+        raise ValueError(f"the mirrored model has {len(layers)} LoRA layers, the trained model {len(sources)}")
+    for layer, source in layers:
+        for part in LoraMirror.PARTS:
+            getattr(layer, part)["default"] = getattr(source, part)["default"]
+    return LoraMirror(mirror, layers)
 
 
 def compare_lora_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:

@@ -1,0 +1,119 @@
+"""Device check for Z-Image training on a CUDA machine: runs a short job through the real path (quantized
+training transformer, separate quantized sampling transformer sharing the LoRA, low_vram) and prints the
+accelerator memory around each phase, from the trainer's own `logging.debug_memory` records.
+
+    python -m benchmarks.gpu_check_zimage                      # the tiny preset: a quick smoke test
+    python -m benchmarks.gpu_check_zimage --dim 1536 --layers 8 # a random model large enough for real figures
+    python -m benchmarks.gpu_check_zimage --model /path/to/Z-Image --sampling /path/to/Z-Image-Turbo
+
+Needs no network: random models are built offline (in the difftune cache). Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def random_models(dim: int, layers: int) -> tuple[str, str]:
+    """Training and sampling model folders: the tiny preset with a transformer of `dim` x `layers`."""
+    from toolkit.models.tiny_zimage import TINY_ZIMAGE, ensure_tiny_zimage
+
+    heads = max(2, dim // 128)
+    transformer = {**TINY_ZIMAGE["transformer"], "dim": dim, "n_layers": layers, "n_heads": heads,
+                   "n_kv_heads": heads, "axes_dims": [dim // heads // 4, 3 * dim // heads // 8,
+                                                      3 * dim // heads // 8]}
+    preset = {**TINY_ZIMAGE, "transformer": transformer}
+    return str(ensure_tiny_zimage(preset)), str(ensure_tiny_zimage({**preset, "seed": 1}))
+
+
+def job(folder: Path, model: str, sampling: str, args) -> Path:
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    process = {
+        "type": "sd_trainer", "training_folder": str(folder), "device": args.device, "trigger_word": "shp",
+        "network": {"linear": 16, "linear_alpha": 16},
+        "save": {"save_every": 0},
+        "datasets": [{"folder_path": str(REPO / "config/examples/quickstart_data"), "resolution": [args.resolution],
+                      "cache_latents": True}],
+        "train": {"batch_size": 1, "steps": args.steps, "lr": 1e-4, "dtype": dtype, "cache_text_embeddings": True,
+                  "gradient_checkpointing": True},
+        "model": {"arch": "zimage", "name_or_path": model, "quantize": True, "qtype": args.qtype, "low_vram": True,
+                  "sampling": {"name_or_path": sampling, "quantize": True, "qtype": "qfloat8"}, "dtype": dtype},
+        "sample": {"sample_every": args.steps, "prompts": ["[trigger], a red circle"], "sample_steps": 4,
+                   "width": args.resolution, "height": args.resolution},
+        "logging": {"debug_memory": True},
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"job": "extension", "config": {"name": "gpu_check", "process": [process]}}))
+    return path
+
+
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "memory"):
+            self.records.append(record.memory)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="Z-Image folder to train on (default: a random model)")
+    parser.add_argument("--sampling", help="transformer folder for samples (default: a second random model)")
+    parser.add_argument("--dim", type=int, default=32, help="random model width (32 = the tiny preset)")
+    parser.add_argument("--layers", type=int, default=2, help="random model main layers")
+    parser.add_argument("--qtype", default="qint8", choices=["qfloat8", "qint8", "qint4"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--resolution", type=int, default=256)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a smoke run of the script itself (no accelerator figures)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this check needs one (--device cpu for a smoke run)")
+        return 2
+
+    from jobs import build_registry, get_job
+    from toolkit.config import load_config
+
+    model, sampling = args.model, args.sampling
+    if model is None or sampling is None:
+        built = random_models(args.dim, args.layers)
+        model, sampling = model or built[0], sampling or built[1]
+    collect = Collect()
+    logger = logging.getLogger("difftune")
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)
+    registry = build_registry(REPO / "extensions")
+    with tempfile.TemporaryDirectory() as tmp:
+        config, path = load_config(str(job(Path(tmp), model, sampling, args)), registry)
+        started = time.perf_counter()
+        get_job(config, path, registry).run()
+        wall = time.perf_counter() - started
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n{name}: {args.steps} updates in {wall:.1f} s "
+          f"(model {model}, sampling {sampling}, qtype {args.qtype})")
+    print(f"{'phase':38s} {'s':>7s} {'alloc before':>13s} {'alloc after':>12s} {'peak so far':>12s} {'rss after':>10s}")
+    mib = 2**20
+    for r in collect.records:
+        print(f"{r['label']:38s} {r['seconds']:7.2f} {r.get('allocated_before', 0) / mib:10.0f} MiB"
+              f" {r.get('allocated_after', 0) / mib:8.0f} MiB {r.get('peak_after', 0) / mib:8.0f} MiB"
+              f" {r.get('rss_after', 0) / mib:6.0f} MiB")
+    if args.device == "cuda":
+        print(f"peak allocated over the run: {torch.cuda.max_memory_allocated() / mib:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Z-Image through the real job path: a qint8-quantized training transformer, a separate qfloat8 sampling
+transformer that shares the trained LoRA, low-VRAM placement, memory records, and the files it writes."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from diffusers import ZImagePipeline, ZImageTransformer2DModel
+from optimum.quanto import qfloat8, qint8
+from optimum.quanto.nn import QModuleMixin
+from safetensors import safe_open
+
+import toolkit.device
+from helpers import QUICKSTART_DATA, held_out_loss, trainer_process, write_job
+from jobs import get_job
+from jobs.process.base_sd_train_process import BaseSDTrainProcess
+from toolkit.config import load_config
+from toolkit.config.schema import DatasetConfig
+from toolkit.data.dataset import build_dataset, load_pixels
+from toolkit.metrics import read_metrics
+from toolkit.models.tiny_zimage import TINY_ZIMAGE
+from toolkit.models.zimage import ZImageAdapter
+from toolkit.quantize import quantize_blockwise, weight_bytes
+
+UPDATES = 40
+MODEL = {"arch": "zimage", "name_or_path": "tiny", "quantize": True, "qtype": "qint8", "low_vram": True,
+         "sampling": {"name_or_path": "tiny-turbo", "quantize": True, "qtype": "qfloat8"}}
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.memory: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "memory"):
+            self.memory.append(record.memory)
+
+
+def zimage_process(tmp, **overrides) -> dict:
+    base = {"model": MODEL, "datasets": [{"folder_path": str(QUICKSTART_DATA), "resolution": [64],
+                                          "cache_latents": True}]}
+    return trainer_process(tmp, **{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, registry):
+    tmp = tmp_path_factory.mktemp("zimage")
+    process = zimage_process(
+        tmp,
+        network={"linear": 4, "linear_alpha": 8},
+        train={"steps": UPDATES, "lr": 3e-3, "batch_size": 2, "cache_text_embeddings": True,
+               "timestep_type": "shift"},
+        sample={"sample_every": 20, "prompts": ["[trigger], a red circle"], "sample_steps": 2,
+                "width": 64, "height": 64},
+        logging={"debug_memory": True},
+    )
+    records, logger = Records(), logging.getLogger("difftune")
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    samplings: list[dict] = []
+    real_sample = BaseSDTrainProcess.sample
+
+    def observed_sample(self, step):
+        rng, weights = torch.get_rng_state(), [p.detach().clone() for p in self.lora_params]
+        real_sample(self, step)
+        samplings.append({
+            "step": step, "rng_kept": torch.equal(torch.get_rng_state(), rng),
+            "training_after": self.trained_module.training,
+            "no_grads": all(p.grad is None for p in self.lora_params),
+            "weights_kept": all(torch.equal(p, w) for p, w in zip(self.lora_params, weights)),
+            "sampling_transformer_training": self.adapter.sampling_transformer.training,
+        })
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(BaseSDTrainProcess, "sample", observed_sample)
+            config, path = load_config(str(write_job(tmp / "job.yaml", "zimage", process)), registry)
+            job = get_job(config, path, registry)
+            job.run()
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    return job.processes[0], tmp / "output" / "zimage", records.memory, samplings
+
+
+def held_out_batch(adapter):
+    dataset = build_dataset([DatasetConfig(folder_path=str(QUICKSTART_DATA), resolution=[64])], "shp",
+                            adapter.divisor)
+    square = [item for item in dataset.items if item.bucket == (64, 64)]
+    return torch.stack([load_pixels(item) for item in square]), [item.record.caption for item in square]
+
+
+def quantized_types(module: torch.nn.Module) -> set:
+    return {m.weight_qtype for m in module.modules() if isinstance(m, QModuleMixin)}
+
+
+def test_run_is_finite_and_writes_samples(trained):
+    _, run_dir, _, _ = trained
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, UPDATES + 1))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_000000020_0.png",
+                                                                        "step_000000040_0.png"]
+
+
+def test_transformers_are_quantized_as_asked(trained):
+    process, _, _, _ = trained
+    adapter = process.adapter
+    assert quantized_types(adapter.transformer) == {qint8}
+    assert quantized_types(adapter.sampling_transformer) == {qfloat8}
+    # embedders and the final layer stay in full precision
+    assert not isinstance(adapter.transformer.t_embedder.mlp[0], QModuleMixin)
+    assert not any(isinstance(m, QModuleMixin) for m in adapter.transformer.all_final_layer.modules())
+
+
+def test_sampling_transformer_shares_the_trained_lora(trained):
+    """After 40 updates the sampling transformer's LoRA tensors are the trained ones: same storage."""
+    process, _, _, _ = trained
+    (mirror,) = process.mirrors
+    assert mirror.mirror is process.adapter.sampling_transformer
+    pairs = mirror.shared_parameters()
+    assert pairs and len(pairs) == len(process.lora_params)
+    assert all(mine is theirs and mine.data_ptr() == theirs.data_ptr() for mine, theirs in pairs)
+    trained_ids = {id(p) for p in process.lora_params}
+    assert all(id(mine) in trained_ids for mine, _ in pairs)
+    assert any(p.abs().sum() > 0 for p in process.lora_params if p.shape[0] > p.shape[-1])  # lora_B moved from 0
+
+
+def test_lora_lowers_the_held_out_loss_and_loads_in_diffusers(trained):
+    process, run_dir, _, _ = trained
+    adapter = process.adapter
+    pixels, captions = held_out_batch(adapter)
+    module = adapter.transformer
+    module.eval()
+    after = held_out_loss(adapter, module, pixels, captions)
+    module.disable_adapters()
+    try:
+        before = held_out_loss(adapter, module, pixels, captions)
+    finally:
+        module.enable_adapters()
+    assert after < before * 0.95, (before, after)
+
+    # the unquantized base in diffusers, with each of the two files: the same output, and the LoRA acts
+    pipe = ZImagePipeline.from_pretrained(ZImageAdapter.resolve_source("tiny"))
+    pipe.set_progress_bar_config(disable=True)
+    base = held_out_loss(adapter, pipe.transformer, pixels, captions)
+    outputs = []
+    for name in ("zimage.safetensors", "zimage.comfy.safetensors"):
+        pipe.load_lora_weights(str(run_dir), weight_name=name, adapter_name=name.split(".")[1])
+        pipe.set_adapters([name.split(".")[1]])
+        outputs.append(held_out_loss(adapter, pipe.transformer, pixels, captions))
+    assert outputs[0] == pytest.approx(outputs[1], rel=1e-5)
+    assert outputs[0] < base * 0.95, (base, outputs[0])
+
+
+def test_comfy_file_uses_the_diffusion_model_prefix(trained):
+    _, run_dir, _, _ = trained
+    with safe_open(str(run_dir / "zimage.comfy.safetensors"), "pt") as handle:
+        keys = list(handle.keys())
+    assert keys and all(k.startswith("diffusion_model.") for k in keys)
+    assert "diffusion_model.layers.0.attention.to_q.lora_down.weight" in keys
+    assert "diffusion_model.layers.0.attention.to_q.alpha" in keys
+
+
+def test_memory_records_cover_the_stages(trained):
+    _, _, memory, _ = trained
+    labels = [record["label"] for record in memory]
+    for label in ("sampling transformer load", "sampling transformer quantization", "model load",
+                  "transformer quantization", "image encoder unload", "text encoder unload", "sampling"):
+        assert label in labels
+    assert labels.index("sampling transformer load") < labels.index("model load")  # loaded first
+    assert all("rss_before" in record and record["seconds"] >= 0 for record in memory)
+
+
+def test_sampling_leaves_training_state_untouched(trained):
+    """Each sample() during the run: the global RNG, train mode, gradients and LoRA weights as before."""
+    _, _, _, samplings = trained
+    assert [s["step"] for s in samplings] == [20, 40]
+    for s in samplings:
+        assert s["rng_kept"] and s["training_after"] and s["no_grads"] and s["weights_kept"]
+        assert not s["sampling_transformer_training"]
+
+
+def test_low_vram_moves_go_through_the_device_helper(tmp_path, registry, monkeypatch):
+    """With low_vram, the encoders visit the accelerator only to build the caches and then leave; the sampling
+    transformer arrives for sampling and leaves after it, without taking the trained LoRA along."""
+    moves = []
+    real = toolkit.device.safe_module_to_device
+
+    def recording(module, device):
+        moves.append((type(module).__name__, torch.device(device).type))
+        return real(module, device)
+
+    monkeypatch.setattr(toolkit.device, "safe_module_to_device", recording)
+    monkeypatch.setattr("jobs.process.base_sd_train_process.safe_module_to_device", recording)
+    process = zimage_process(tmp_path, train={"steps": 2, "cache_text_embeddings": True},
+                             sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64})
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "lv", process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    trainer = job.processes[0]
+    encoders = [("Qwen3Model", "cpu"), ("AutoencoderKL", "cpu")]
+    assert all(move in moves for move in encoders)
+    sampling = [move for move in moves if move[0] == "ZImageTransformer2DModel"]
+    assert sampling[-2:] == [("ZImageTransformer2DModel", "cpu"), ("ZImageTransformer2DModel", "cpu")]
+    assert {p.device.type for p in trainer.lora_params} == {"cpu"}  # where training keeps them here
+    assert all(mine is theirs for mine, theirs in trainer.mirrors[0].shared_parameters())
+
+
+def test_quantized_sampling_transformer_is_about_half_of_bf16():
+    """A Z-Image transformer whose blocks dominate (as in the real model): qfloat8 weights, embedders and the
+    final layer kept in bf16, take at most 55 % of the bf16 bytes."""
+    config = {**TINY_ZIMAGE["transformer"], "dim": 512, "n_heads": 4, "n_kv_heads": 4, "axes_dims": [32, 48, 48]}
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(**config).to(torch.bfloat16)
+    bf16 = weight_bytes(transformer)
+    quantize_blockwise(transformer, "qfloat8", ZImageAdapter.quantization_blocks(transformer),
+                       list(ZImageAdapter.QUANTIZATION_EXCLUDE), None)
+    assert weight_bytes(transformer) <= 0.55 * bf16, weight_bytes(transformer) / bf16

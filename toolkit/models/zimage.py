@@ -1,0 +1,373 @@
+"""Z-Image: ZImageTransformer2DModel + Qwen3 text encoder (chat template, second-to-last hidden state) +
+16-channel VAE + rectified flow.
+
+Conventions, as ZImagePipeline.__call__ and diffusers' Z-Image LoRA example apply them:
+- latents = (VAE sample - shift_factor) * scaling_factor;
+- the transformer takes a list of [C, 1, H, W] latents (F = 1 frame), a list of per-prompt caption features
+  without padding, and t = (1000 - timestep) / 1000 = 1 - sigma (it counts from noise to image);
+- its output is the negated flow velocity: the pipeline feeds -output to the Euler step, so the prediction
+  that matches the flow target (noise - latents) is -output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from transformers import AutoTokenizer, Qwen3Model
+
+from ..config.schema import ModelConfig
+from ..device import memory_debug, safe_module_to_device
+from ..network.lora import merge_lora_state
+from ..paths import normalize_path
+from ..quantize import quantize_blockwise
+from ..train.timesteps import ShiftSchedule
+from .base import LatentDist, ModelAdapter, PromptEmbeds
+from .noise_schedules import FlowMatchNoiseSchedule
+from .sd import weights_fingerprint
+from .tiny_zimage import ensure_tiny_zimage, ensure_tiny_zimage_turbo
+
+#: where a single-file transformer's other parts (text encoder, tokenizer, VAE, scheduler) and its config come
+#: from when `model.single_file_config` is not given: the repo diffusers itself picks for Z-Image checkpoints
+DEFAULT_COMPONENTS = "Tongyi-MAI/Z-Image-Turbo"
+
+#: `name_or_path` values that build a tiny random model offline
+TINY_SOURCES: dict[str, Callable[[], Path]] = {"tiny": ensure_tiny_zimage, "tiny-turbo": ensure_tiny_zimage_turbo}
+
+#: ZImagePipeline's default `max_sequence_length`: prompts are padded (and cut) to this many tokens
+MAX_SEQUENCE_LENGTH = 512
+
+#: LoRA targets: the attention projections, and the feed-forward layers that ai-toolkit adapts as well
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+FEED_FORWARD_TARGETS = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+#: text-encoder modules that stay in full precision under `quantize_te`: the token embeddings and the norms
+TEXT_ENCODER_KEEP = ("embed_tokens", "*norm*")
+
+#: the spatial patch size the pipeline runs the transformer with (ZImageTransformer2DModel.forward's default)
+PATCH_SIZE = 2
+
+
+class ZImageAdapter(ModelAdapter):
+    arch = "zimage"
+    lora_prefix = "transformer"  # ZImageLoraLoaderMixin._lora_loadable_modules
+    # ComfyUI maps `diffusion_model.<diffusers module path>` (to_q/to_k/to_v included, into its fused qkv) for
+    # Z-Image, and diffusers' Z-Image LoRA loader strips the same prefix; ai-toolkit saves Z-Image LoRAs so.
+    comfy_prefix = "diffusion_model"
+    #: how the ComfyUI prefix joins the module path: "." (diffusion_model.layers.0.attention.to_q), not kohya's
+    #: "_"; ComfyUI has no `lora_unet_*_to_q` names for Z-Image (toolkit.network.formats.to_comfy must use it)
+    comfy_separator = "."
+    kohya_base_model = "zimage"  # ai-toolkit's base-model version for Z-Image
+    #: Z-Image's guidance is pos + g (pos - neg), so 0 is off: what Turbo (the usual preview model) needs
+    default_guidance_scale = 0.0
+
+    def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, source: str,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH):
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.source = source
+        self.max_sequence_length = max_sequence_length
+        #: the dtype the transformer computes in (kept from loading: quantized weights may report another)
+        self.compute_dtype = transformer.dtype
+        self.noise_schedule = FlowMatchNoiseSchedule(scheduler.config.num_train_timesteps)
+        self.divisor = 2 ** (len(vae.config.block_out_channels) - 1) * PATCH_SIZE
+        self._denoiser: torch.nn.Module = transformer
+        #: a separate transformer for sample images (e.g. Turbo); None renders with the training transformer
+        self.sampling_transformer: torch.nn.Module | None = None
+
+    # --- loading ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False) -> ZImageAdapter:
+        """The separate sampling transformer first (quantized if asked, then parked on the CPU), so that its
+        load never meets the training transformer on the accelerator; then the training transformer (with the
+        assistant LoRA merged before any quantization), quantized block by block onto the accelerator."""
+        sampling = None
+        if model_cfg.sampling is not None:
+            with memory_debug("sampling transformer load", debug_memory):
+                sampling = cls.load_sampling_transformer(model_cfg, device, dtype, debug_memory)
+        source = cls.resolve_source(model_cfg.name_or_path)
+        with memory_debug("model load", debug_memory):
+            if is_single_file(source):
+                components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS)
+                transformer = cls.load_transformer(source, dtype, config_source=components)
+                parts = cls._load_components(components, dtype, variant=None, revision=None)
+            else:
+                transformer = cls.load_transformer(source, dtype, variant=model_cfg.variant,
+                                                   revision=model_cfg.revision)
+                parts = cls._load_components(source, dtype, variant=model_cfg.variant, revision=model_cfg.revision)
+        if model_cfg.assistant_lora_path:
+            with memory_debug("assistant LoRA load", debug_memory):
+                merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path))
+        adapter = cls(transformer, *parts, source=source)
+        adapter.compute_dtype = dtype
+        adapter.sampling_transformer = sampling
+        adapter._quantize_and_place(model_cfg, device, debug_memory)
+        return adapter
+
+    @classmethod
+    def load_sampling_transformer(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                                  debug_memory: bool) -> ZImageTransformer2DModel:
+        cfg = model_cfg.sampling
+        components = model_cfg.single_file_config or DEFAULT_COMPONENTS
+        transformer = cls.load_transformer(cfg.name_or_path, dtype, subfolder=cfg.subfolder, config_source=components)
+        if cfg.quantize:
+            with memory_debug("sampling transformer quantization", debug_memory):
+                quantize_blockwise(transformer, cfg.qtype, cls.quantization_blocks(transformer),
+                                   list(cls.QUANTIZATION_EXCLUDE), device)
+        return safe_module_to_device(transformer, "cpu")
+
+    def _quantize_and_place(self, model_cfg: ModelConfig, device: torch.device, debug_memory: bool) -> None:
+        """Quantize what the config asks (block by block onto the accelerator), then place the rest: with
+        `low_vram` the text encoder and VAE stay on the CPU until the trainer needs them."""
+        if model_cfg.quantize:
+            with memory_debug("transformer quantization", debug_memory):
+                quantize_blockwise(self.transformer, model_cfg.qtype, self.quantization_blocks(self.transformer),
+                                   list(self.QUANTIZATION_EXCLUDE), device)
+        if model_cfg.quantize_te:
+            with memory_debug("text encoder quantization", debug_memory):
+                quantize_blockwise(self.text_encoder, model_cfg.qtype_te, list(self.text_encoder.layers),
+                                   list(TEXT_ENCODER_KEEP), None if model_cfg.low_vram else device)
+        for module in (self.vae, self.text_encoder):
+            module.requires_grad_(False)
+            module.eval()
+        safe_module_to_device(self.transformer, device)
+        for module in (self.vae, self.text_encoder):
+            safe_module_to_device(module, "cpu" if model_cfg.low_vram else device)
+
+    @staticmethod
+    def resolve_source(name_or_path: str) -> str:
+        """A folder, hub id or file; `tiny` / `tiny-turbo` become the tiny presets' folders."""
+        name_or_path = normalize_path(name_or_path)
+        return str(TINY_SOURCES[name_or_path]()) if name_or_path in TINY_SOURCES else name_or_path
+
+    @classmethod
+    def load_transformer(cls, source: str, dtype: torch.dtype, subfolder: str | None = "transformer",
+                         config_source: str | None = None, variant: str | None = None,
+                         revision: str | None = None) -> ZImageTransformer2DModel:
+        """A Z-Image transformer from a diffusers folder or hub id (`subfolder` inside it; None for a bare
+        transformer folder) or from a single .safetensors file in the original/ComfyUI layout (fused qkv).
+
+        A single file carries no config: it comes from `config_source`'s transformer subfolder (default
+        Tongyi-MAI/Z-Image-Turbo). diffusers' own converter (`convert_z_image_transformer_checkpoint_to_diffusers`,
+        behind `from_single_file`) splits qkv into to_q/to_k/to_v and renames out/q_norm/k_norm/x_embedder/
+        final_layer, with or without the `model.diffusion_model.` prefix. Also loads the trainer's separate
+        sampling transformer. Weights are frozen and in eval mode.
+        """
+        source = cls.resolve_source(source)
+        if is_single_file(source):
+            transformer = cls._transformer_from_single_file(source, dtype, config_source or DEFAULT_COMPONENTS)
+        else:
+            transformer = ZImageTransformer2DModel.from_pretrained(
+                source, subfolder=subfolder, torch_dtype=dtype, variant=variant, revision=revision)
+        transformer.requires_grad_(False)
+        return transformer.eval()
+
+    @classmethod
+    def _transformer_from_single_file(cls, path: str, dtype: torch.dtype, config_source: str):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        config_source = cls.resolve_source(config_source)
+        return ZImageTransformer2DModel.from_single_file(
+            path, config=config_source, subfolder="transformer", local_files_only=Path(config_source).is_dir(),
+            torch_dtype=dtype)
+
+    @staticmethod
+    def _load_components(source: str, dtype: torch.dtype, variant: str | None, revision: str | None) -> tuple:
+        """VAE, text encoder, tokenizer and scheduler of a diffusers folder or hub id."""
+        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, variant=variant,
+                                            revision=revision)
+        # transformers 5 takes `dtype`; Qwen3Model also reads the text encoders saved as Qwen3ForCausalLM
+        text_encoder = Qwen3Model.from_pretrained(source, subfolder="text_encoder", dtype=dtype, variant=variant,
+                                                  revision=revision)
+        tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
+        return vae, text_encoder, tokenizer, scheduler
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    # --- text ---------------------------------------------------------------------------------------------
+
+    def chat_prompt(self, prompt: str) -> str:
+        """The prompt wrapped in the chat template exactly as ZImagePipeline._encode_prompt does."""
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=True)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Qwen3's second-to-last hidden state over the chat-templated prompts, as the pipeline computes it.
+
+        The pipeline hands the transformer a list of variable-length embeddings (padding dropped). Here every
+        prompt keeps its fixed `max_sequence_length` padding and the mask says which tokens are real, so
+        batches, cached entries and the blank prompt stack and concatenate; `predict` drops the padding again.
+        """
+        tokens = self.tokenizer([self.chat_prompt(p) for p in prompts], padding="max_length",
+                                max_length=self.max_sequence_length, truncation=True, return_tensors="pt")
+        device = self.text_encoder.device
+        mask = tokens.attention_mask.to(device).bool()
+        hidden = self.text_encoder(input_ids=tokens.input_ids.to(device), attention_mask=mask,
+                                   output_hidden_states=True).hidden_states[-2]
+        return PromptEmbeds(hidden, mask, mask.sum(dim=1).cpu())
+
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        texts = [self.chat_prompt(p) for p in prompts]
+        lengths = [len(ids) for ids in self.tokenizer(texts, truncation=False).input_ids]
+        return [i for i, length in enumerate(lengths) if length > self.max_sequence_length]
+
+    @staticmethod
+    def caption_features(embeds: PromptEmbeds, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The transformer's caption input: one [tokens, dim] tensor per prompt, padding dropped."""
+        rows = embeds.embeds.to(dtype)
+        if embeds.attention_mask is None:
+            return list(rows.unbind(0))
+        mask = embeds.attention_mask.to(rows.device).bool()
+        return [row[keep] for row, keep in zip(rows, mask)]
+
+    # --- images -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
+        pixels = pixels.to(device=self.vae.device, dtype=self.vae.dtype)
+        posterior = self.vae.encode(pixels).latent_dist
+        return LatentDist(posterior.mean, posterior.std)
+
+    def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
+        # The posterior sample is drawn on a CPU generator so it does not depend on the device. The pipeline
+        # decodes latents / scaling_factor + shift_factor, so training latents are the inverse of that.
+        mean, std = dist.mean.float(), dist.std.float()
+        eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32).to(mean.device)
+        return (mean + std * eps - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        """Image tokens: latent pixels / patch area, as the pipeline computes it for the shift."""
+        return (latents.shape[-2] // PATCH_SIZE) * (latents.shape[-1] // PATCH_SIZE)
+
+    def shift_schedule(self) -> ShiftSchedule | None:
+        """The scheduler's dynamic-shift line, only where the scheduler uses it (`use_dynamic_shifting`).
+
+        ZImagePipeline always computes `mu`, but FlowMatchEulerDiscreteScheduler ignores it unless dynamic
+        shifting is on; Z-Image(-Turbo) ships with it off and a fixed `shift` (3.0), so this is None there.
+        """
+        config = self.scheduler.config
+        return ShiftSchedule.from_scheduler_config(config) if config.get("use_dynamic_shifting") else None
+
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.vae]
+
+    def text_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.text_encoder]
+
+    def encoder_identity(self, part: str) -> str:
+        module = {"image": self.vae, "text": self.text_encoder}[part]
+        config = module.config.to_json_string() if hasattr(module.config, "to_json_string") else str(module.config)
+        facts = f"{self.source}|{module.dtype}|{config}|{weights_fingerprint(module)}"
+        if part == "text":  # the template and the padded length shape the embeddings too
+            facts += f"|{self.tokenizer.chat_template}|{len(self.tokenizer)}|{self.max_sequence_length}"
+        return f"{self.arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+
+    # --- denoiser -----------------------------------------------------------------------------------------
+
+    def transformer_timesteps(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Our timestep (1000 sigma) -> the transformer's t = (1000 - timestep) / 1000 = 1 - sigma."""
+        total = self.noise_schedule.num_train_timesteps
+        return (total - timesteps.float()) / total
+
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
+                module: torch.nn.Module | None = None) -> torch.Tensor:
+        """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32 like the pipeline's."""
+        denoiser = module if module is not None else self._denoiser
+        dtype = self.compute_dtype
+        latents = list(noisy.to(dtype).unsqueeze(2).unbind(0))  # [C, 1, H, W] each
+        out = denoiser(latents, self.transformer_timesteps(timesteps).to(noisy.device),
+                       self.caption_features(embeds, dtype), return_dict=False)[0]
+        return -torch.stack([o.float() for o in out]).squeeze(2)
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.transformer
+
+    def lora_target_modules(self) -> list[str]:
+        """The attention projections of every block (refiners included): diffusers' Z-Image LoRA default.
+
+        ai-toolkit adapts every linear layer, and the SwiGLU feed-forward (`feed_forward.w1/w2/w3`) loads in
+        ComfyUI and diffusers too, but toolkit.network.lora.lora_state_dict writes peft's `lora_A/lora_B` for
+        modules diffusers' converter does not know, which toolkit.network.formats.to_comfy then refuses: add
+        FEED_FORWARD_TARGETS here once saving normalises every key.
+        """
+        return list(ATTENTION_TARGETS)
+
+    def use_for_training(self, module: torch.nn.Module) -> None:
+        self._denoiser = module
+
+    # --- quantization (used by the trainer) ---------------------------------------------------------------
+
+    #: fnmatch patterns over the transformer's module names (quanto's `exclude=`) that stay in full precision:
+    #: the x/caption/timestep embedders and the final layer are small and precision-sensitive (diffusers
+    #: skips t_embedder/cap_embedder in layerwise casting too), and the norms (RMSNorms in every block)
+    QUANTIZATION_EXCLUDE = ("all_x_embedder.*", "t_embedder.*", "cap_embedder.*", "all_final_layer.*", "*norm*")
+
+    @staticmethod
+    def quantization_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+        """The repeated transformer blocks, in order (noise_refiner, context_refiner, then the main layers),
+        to quantize one at a time so that peak memory stays at one block. The pad tokens are parameters of
+        the transformer itself and stay as loaded."""
+        return [block for name in ("noise_refiner", "context_refiner", "layers")
+                for block in getattr(transformer, name)]
+
+    # --- sampling -----------------------------------------------------------------------------------------
+
+    def sampling_pipeline(self) -> ZImagePipeline:
+        """ZImagePipeline over the current components (LoRA active). Its guidance is pos + g (pos - neg), so
+        guidance_scale 0 turns CFG off (Turbo) and a negative prompt only counts when g > 0."""
+        return ZImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config),
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            transformer=self.sampling_transformer if self.sampling_transformer is not None else self.transformer,
+        )
+
+    def lora_mirrors(self) -> list[torch.nn.Module]:
+        """The separate sampling transformer carries the trained LoRA too (shared, never copied)."""
+        return [] if self.sampling_transformer is None else [self.sampling_transformer]
+
+    def caption_token_span(self, length: int) -> tuple[int, int]:
+        """The caption's tokens sit inside the chat template: the template's own tokens stay in place."""
+        before, after = self._template_token_counts
+        return before, length - after
+
+    @cached_property
+    def _template_token_counts(self) -> tuple[int, int]:
+        marker = "\x00difftune-caption\x00"
+        head, tail = self.chat_prompt(marker).split(marker)
+        return len(self.tokenizer(head).input_ids), len(self.tokenizer(tail).input_ids)
+
+    def sampling_only_modules(self) -> list[torch.nn.Module]:
+        """The separate sampling transformer, when one is set."""
+        return [] if self.sampling_transformer is None else [self.sampling_transformer]
+
+    def describe(self) -> dict[str, str]:
+        return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}
+
+
+def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
+    """Merge an assistant LoRA file (diffusers, ComfyUI or ai-toolkit keys: ZImagePipeline's loader converts
+    them) into the training transformer."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
+    state, metadata = ZImagePipeline.lora_state_dict(path, return_lora_metadata=True)
+    merge_lora_state(transformer, state, ZImageAdapter.lora_prefix, metadata)
+
+
+def is_single_file(source: str) -> bool:
+    return source.endswith(".safetensors")
+

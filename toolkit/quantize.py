@@ -1,0 +1,106 @@
+"""Weight quantization of a frozen base model with optimum-quanto, and what it saves.
+
+The base stays frozen while a LoRA trains on top: peft wraps quanto's QLinear (an nn.Linear subclass)
+like any Linear layer, and only the LoRA weights get gradients.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterable
+
+import torch
+from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
+from optimum.quanto.nn import QModuleMixin
+
+from .device import safe_module_to_device
+
+QTYPES = {"qfloat8": qfloat8, "qint8": qint8, "qint4": qint4}
+
+
+def quanto_qtype(name: str):
+    """The quanto weight type for a config name (`qfloat8`, `qint8`, `qint4`)."""
+    if name not in QTYPES:
+        raise ValueError(f"unknown qtype {name!r}; choose one of {', '.join(QTYPES)}")
+    return QTYPES[name]
+
+
+def quantize_blockwise(
+    model: torch.nn.Module,
+    qtype: str,
+    blocks: Iterable[torch.nn.Module] | None = None,
+    exclude: list[str] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.nn.Module:
+    """Quantize and freeze `model`'s weights in place, one block at a time, and return it.
+
+    Each block (e.g. each transformer layer, a submodule of `model`) is moved to `device` and quantized
+    there, and stays there: the accelerator then holds the quantized blocks plus one full-precision block,
+    never the whole full-precision model. Quantizing on the accelerator is also much faster than on the
+    CPU. Modules outside `blocks` are quantized afterwards where they live, and the caller decides where
+    they go. `exclude` holds fnmatch patterns over names in `model` (quanto's `exclude=`); matching modules
+    (embedders, final layers) keep full precision. `device=None` quantizes every block where it lives.
+    """
+    weights = quanto_qtype(qtype)
+    exclude = list(exclude or [])
+    if any(isinstance(module, QModuleMixin) for module in model.modules()):
+        raise ValueError(f"{type(model).__name__} is already quantized; quantize a full-precision model once")
+    names = block_names(model, blocks or [])
+    for name in names:
+        if device is not None:
+            safe_module_to_device(model.get_submodule(name), device)
+        quantize(model, weights=weights, include=subtree_patterns(name), exclude=exclude)
+        # Freezing right away replaces the float weights by quantized ones, so they are freed before the
+        # next block arrives.
+        freeze(model.get_submodule(name))
+    done = [pattern for name in names for pattern in subtree_patterns(name)]
+    quantize(model, weights=weights, exclude=exclude + done)
+    freeze_new(model)
+    return model
+
+
+def freeze_new(model: torch.nn.Module) -> None:
+    """quanto's `freeze`, skipping frozen modules: it would wrap their weights in new Parameters again."""
+    for module in model.modules():
+        if isinstance(module, QModuleMixin) and not module.frozen:
+            module.freeze()
+
+
+def block_names(model: torch.nn.Module, blocks: Iterable[torch.nn.Module]) -> list[str]:
+    """The qualified names of `blocks` in `model`, in the given order.
+
+    Names rather than module objects because quanto replaces quantized submodules (a block that is itself
+    a Linear becomes a new QLinear), so the name is what stays valid.
+    """
+    name_of = {id(module): name for name, module in model.named_modules() if name}
+    names = []
+    for block in blocks:
+        if id(block) not in name_of:
+            raise ValueError(f"block {type(block).__name__} is not a submodule of {type(model).__name__}")
+        names.append(name_of[id(block)])
+    return names
+
+
+def subtree_patterns(name: str) -> list[str]:
+    """fnmatch patterns for a module and everything under it (and not `layers.10` for `layers.1`)."""
+    escaped = glob.escape(name)
+    return [escaped, f"{escaped}.*"]
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes `module`'s parameters and buffers occupy as stored, each shared tensor once.
+
+    A quanto QTensor counts by what it holds (int8/float8 data or packed 4-bit data, plus scales and
+    shifts), not by its dequantized size, which is what `numel() * element_size()` would give.
+    """
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(stored_bytes(tensor) for tensor in tensors)
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor; a tensor subclass (QTensor, quanto's PackedTensor) by its inner tensors."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        inner_names, _ = tensor.__tensor_flatten__()
+        inner = [getattr(tensor, name) for name in inner_names]
+        return sum(stored_bytes(part) for part in inner if part is not None)
+    return tensor.numel() * tensor.element_size()
