@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
+from helpers import QUICKSTART_DATA, held_out_loss, launch, trainer_process, write_job
 from optimum.quanto import qfloat8, qint8
 from optimum.quanto.nn import QModuleMixin
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import toolkit.device
-from helpers import QUICKSTART_DATA, held_out_loss, trainer_process, write_job
 from jobs import get_job
 from jobs.process.base_sd_train_process import BaseSDTrainProcess
 from toolkit.config import load_config
@@ -222,3 +223,35 @@ def test_quantized_sampling_transformer_is_about_half_of_bf16():
     quantize_blockwise(transformer, "qfloat8", ZImageAdapter.quantization_blocks(transformer),
                        list(ZImageAdapter.QUANTIZATION_EXCLUDE), None)
     assert weight_bytes(transformer) <= 0.55 * bf16, weight_bytes(transformer) / bf16
+
+
+def test_two_processes_train_the_quantized_transformer(tmp_path):
+    """DDP over a quanto-quantized frozen base (gloo): the planned updates, finite losses, the LoRA written."""
+    process = zimage_process(tmp_path, train={"steps": 4, "batch_size": 1, "cache_text_embeddings": True},
+                             sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64})
+    result = launch(write_job(tmp_path / "job.yaml", "two", process), 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in records)
+    assert (tmp_path / "output" / "two" / "two.safetensors").is_file()
+
+
+def test_resume_with_a_shared_sampling_lora_is_exact(tmp_path, registry):
+    """2 updates, then a rerun with 4: the same LoRA as 4 updates in one go (quantized base, sampling mirror)."""
+    def run(name: str, steps: int):
+        process = zimage_process(tmp_path, train={"steps": steps, "batch_size": 2, "lr": 3e-3},
+                                 save={"save_every": 2, "dtype": "float32"},
+                                 sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64,
+                                         "sample_every": 2})
+        config, path = load_config(str(write_job(tmp_path / f"{name}.yaml", name, process)), registry)
+        get_job(config, path, registry).run()
+        return tmp_path / "output" / name / f"{name}.safetensors"
+
+    run("split", 2)
+    first_sample = tmp_path / "output" / "split" / "samples" / "step_000000002_0.png"
+    stamp = first_sample.stat().st_mtime_ns
+    split = load_file(run("split", 4))
+    assert first_sample.stat().st_mtime_ns == stamp  # resumed at step 2: step 2 was not trained or sampled again
+    whole = load_file(run("whole", 4))
+    assert split.keys() == whole.keys()
+    assert all(torch.equal(split[k], whole[k]) for k in whole)

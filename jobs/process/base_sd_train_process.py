@@ -26,7 +26,13 @@ from toolkit.metrics import MetricsWriter, TimestepStats, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
 from toolkit.network.formats import kohya_metadata, to_comfy
 from toolkit.network.lora import (
-    add_lora, compare_lora_state, load_lora_file, lora_state_dict, mirror_lora, write_lora_file, write_safetensors,
+    add_lora,
+    compare_lora_state,
+    load_lora_file,
+    lora_state_dict,
+    mirror_lora,
+    write_lora_file,
+    write_safetensors,
 )
 from toolkit.sampling import SampleRenderer
 from toolkit.signals import GracefulStop

@@ -22,7 +22,7 @@ class SDTrainer(BaseSDTrainProcess):
         micro-batch always gets the same noise and timesteps. Returns the loss to optimise and its parts
         (logged as their own metrics).
         """
-        adapter, train, schedule = self.adapter, self.config.train, self.adapter.noise_schedule
+        train, schedule = self.config.train, self.adapter.noise_schedule
         where = (epoch, micro_batch, self.accelerator.process_index)
 
         def draws(purpose: str) -> torch.Generator:

@@ -148,7 +148,7 @@ class ModelAdapter(ABC):
     def shift_schedule(self):
         """The scheduler's dynamic-shift line (toolkit.train.timesteps.ShiftSchedule), for families whose
         scheduler defines one; None otherwise."""
-        return None
+        return
 
     def image_seq_len(self, latents: torch.Tensor) -> int:
         """Tokens the denoiser sees per image (for dynamic shift): latent pixels by default."""

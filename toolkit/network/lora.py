@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 
 from ..config.schema import NetworkConfig
 
-
 #: peft adapter name of a merged assistant LoRA while it is being merged
 ASSISTANT_ADAPTER = "assistant"
 
