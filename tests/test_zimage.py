@@ -284,3 +284,55 @@ def test_dtype_applies_to_frozen_weights_and_predictions_are_float32():
     assert adapter.transformer.dtype == torch.bfloat16 and adapter.text_encoder.dtype == torch.bfloat16
     embeds = adapter.encode_prompts(["a"])
     assert adapter.predict(torch.randn(1, 16, 4, 4), torch.tensor([500.0]), embeds).dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def assistant_files(tmp_path_factory, tiny_zimage):
+    """An assistant LoRA in diffusers form and in ComfyUI form, and the output of a model that wears it."""
+    from toolkit.network.formats import to_comfy
+
+    folder = tmp_path_factory.mktemp("assistant")
+    wearer = load_tiny()
+    add_lora(wearer.transformer, NetworkConfig(linear=4, linear_alpha=8), wearer.lora_target_modules())
+    torch.manual_seed(3)
+    for param in wearer.transformer.parameters():
+        if param.requires_grad:
+            param.data.normal_(0, 0.3)
+    state = lora_state_dict(wearer.transformer, "transformer", torch.float32)
+    write_lora_file(folder / "assistant.safetensors", state, {}, wearer.transformer, "transformer")
+    save_file(to_comfy(state, {"transformer": "diffusion_model"}, 8.0, "."), str(folder / "assistant_comfy.safetensors"))
+    return folder, wearer
+
+
+def assistant_probe(adapter: ZImageAdapter, transformer=None) -> torch.Tensor:
+    torch.manual_seed(5)
+    noisy, t = torch.randn(2, 16, 8, 8), torch.tensor([300.0, 700.0])
+    with torch.no_grad():
+        return adapter.predict(noisy, t, adapter.encode_prompts(PROMPTS), module=transformer)
+
+
+@pytest.mark.parametrize("name", ["assistant.safetensors", "assistant_comfy.safetensors"])
+def test_assistant_lora_is_merged_into_the_training_transformer_only(assistant_files, name):
+    folder, wearer = assistant_files
+    cfg = ModelConfig(arch="zimage", name_or_path="tiny", assistant_lora_path=str(folder / name),
+                      sampling={"name_or_path": "tiny-turbo"})
+    merged = ZImageAdapter.load(cfg, CPU, torch.float32)
+    torch.testing.assert_close(assistant_probe(merged), assistant_probe(wearer), atol=1e-5, rtol=1e-5)
+    assert not any("lora" in name for name, _ in merged.transformer.named_modules())  # merged, not attached
+    turbo = ZImageAdapter.load_transformer("tiny-turbo", torch.float32).state_dict()
+    sampling = merged.sampling_transformer.state_dict()
+    assert all(torch.equal(sampling[k], turbo[k]) for k in turbo)  # the sampling transformer is untouched
+
+
+def test_missing_assistant_lora_is_named(tmp_path):
+    cfg = ModelConfig(arch="zimage", name_or_path="tiny", assistant_lora_path=str(tmp_path / "absent.safetensors"))
+    with pytest.raises(FileNotFoundError, match="model.assistant_lora_path"):
+        ZImageAdapter.load(cfg, CPU, torch.float32)
+
+
+def test_token_shuffling_span_is_the_caption_inside_the_chat_template(adapter):
+    """Cached-embedding token shuffling moves only the caption's tokens, never the template around them."""
+    caption = "red circle, blue square, green"
+    ids = adapter.tokenizer(adapter.chat_prompt(caption)).input_ids
+    first, stop = adapter.caption_token_span(len(ids))
+    assert adapter.tokenizer.decode(ids[first:stop]) == caption

@@ -182,9 +182,9 @@ class WuerstchenAdapter(ModelAdapter):
     @staticmethod
     def _resolve_sources(model_cfg: ModelConfig) -> dict[str, str]:
         sources = {"prior": normalize_path(model_cfg.name_or_path),
-                   "image_encoder": normalize_path(model_cfg.image_encoder_path or "")}
+                   "image_encoder": normalize_path(model_cfg.image_encoder_path or "", "model.image_encoder_path")}
         if model_cfg.decoder_name_or_path:
-            sources["decoder"] = normalize_path(model_cfg.decoder_name_or_path)
+            sources["decoder"] = normalize_path(model_cfg.decoder_name_or_path, "model.decoder_name_or_path")
         if "tiny" in sources.values():
             from .tiny_wuerstchen import ensure_tiny_wuerstchen
 

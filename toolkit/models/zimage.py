@@ -97,7 +97,8 @@ class ZImageAdapter(ModelAdapter):
         source = cls.resolve_source(model_cfg.name_or_path)
         with memory_debug("model load", debug_memory):
             if is_single_file(source):
-                components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS)
+                components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS,
+                                                "model.single_file_config")
                 transformer = cls.load_transformer(source, dtype, config_source=components)
                 parts = cls._load_components(components, dtype, variant=None, revision=None)
             else:
@@ -106,7 +107,8 @@ class ZImageAdapter(ModelAdapter):
                 parts = cls._load_components(source, dtype, variant=model_cfg.variant, revision=model_cfg.revision)
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
-                merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path))
+                merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
+                                                                   "model.assistant_lora_path"))
         adapter = cls(transformer, *parts, source=source)
         adapter.compute_dtype = dtype
         adapter.sampling_transformer = sampling
@@ -117,8 +119,9 @@ class ZImageAdapter(ModelAdapter):
     def load_sampling_transformer(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                                   debug_memory: bool) -> ZImageTransformer2DModel:
         cfg = model_cfg.sampling
-        components = model_cfg.single_file_config or DEFAULT_COMPONENTS
-        transformer = cls.load_transformer(cfg.name_or_path, dtype, subfolder=cfg.subfolder, config_source=components)
+        components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS, "model.single_file_config")
+        source = cls.resolve_source(cfg.name_or_path, "model.sampling.name_or_path")
+        transformer = cls.load_transformer(source, dtype, subfolder=cfg.subfolder, config_source=components)
         if cfg.quantize:
             with memory_debug("sampling transformer quantization", debug_memory):
                 quantize_blockwise(transformer, cfg.qtype, cls.quantization_blocks(transformer),
@@ -144,9 +147,10 @@ class ZImageAdapter(ModelAdapter):
             safe_module_to_device(module, "cpu" if model_cfg.low_vram else device)
 
     @staticmethod
-    def resolve_source(name_or_path: str) -> str:
-        """A folder, hub id or file; `tiny` / `tiny-turbo` become the tiny presets' folders."""
-        name_or_path = normalize_path(name_or_path)
+    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
+        """A folder, hub id or file; `tiny` / `tiny-turbo` become the tiny presets' folders. `key` names the
+        config key when a local-looking path does not exist."""
+        name_or_path = normalize_path(name_or_path, key)
         return str(TINY_SOURCES[name_or_path]()) if name_or_path in TINY_SOURCES else name_or_path
 
     @classmethod
