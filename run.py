@@ -1,7 +1,10 @@
 """difftune: train from one YAML job file.
 
-    python run.py config/job.yaml [more.yaml ...] [--name NAME] [--recover]
+    python run.py config/job.yaml [more.yaml ...] [--name NAME] [--recover] [--quiet]
     accelerate launch run.py config/job.yaml
+    python run.py --control RUN_FOLDER stop|save|sample     # steer a running job
+    python run.py --status RUN_FOLDER                       # running / stopped / finished / failed / crashed
+    python run.py --report RUN_FOLDER                       # rebuild RUN_FOLDER/report.html
 """
 
 from __future__ import annotations
@@ -18,10 +21,47 @@ log = logging.getLogger("difftune")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Fine-tune diffusion models (LoRA) from job files.")
-    parser.add_argument("configs", nargs="+", metavar="CONFIG", help="job file path, or a name under config/")
+    parser.add_argument("configs", nargs="*", metavar="CONFIG", help="job file path, or a name under config/")
     parser.add_argument("--name", help="fills [name] in the job files")
     parser.add_argument("--recover", action="store_true", help="go on with the next job after a failure")
-    return parser.parse_args(argv)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (logs still go to stderr)")
+    parser.add_argument("--control", nargs=2, metavar=("RUN_FOLDER", "ACTION"),
+                        help="ask the run training in RUN_FOLDER to stop (saving a checkpoint), save or sample now")
+    parser.add_argument("--status", metavar="RUN_FOLDER", help="print the state of the run in RUN_FOLDER")
+    parser.add_argument("--report", metavar="RUN_FOLDER", help="rebuild RUN_FOLDER/report.html from its files")
+    args = parser.parse_args(argv)
+    tools = [name for name in ("control", "status", "report") if getattr(args, name) is not None]
+    if len(tools) > 1 or (tools and args.configs):
+        parser.error("give job files, or one of --control / --status / --report")
+    if not tools and not args.configs:
+        parser.error("give one or more job files (or --control / --status / --report)")
+    return args
+
+
+def run_tool(args: argparse.Namespace) -> int:
+    """--control / --status / --report: small file operations on a run folder, no model loads."""
+    from toolkit import control
+    from toolkit.report import write_report
+
+    if args.control is not None:
+        folder, action = Path(args.control[0]), args.control[1]
+        try:
+            path = control.request(folder, action)
+        except (ValueError, FileNotFoundError) as err:
+            log.error("%s", err)
+            return 2
+        log.info("asked %s to %s (%s); the trainer acts at its next update", folder, action, path.name)
+        return 0
+    if args.status is not None:
+        state, line = control.describe_status(Path(args.status))
+        print(line)
+        return 0 if state in ("running", "finished", "stopped") else 1
+    folder = Path(args.report)
+    if not (folder / "metrics.jsonl").is_file() and not (folder / "config.yaml").is_file():
+        log.error("%s is not a run folder (no metrics.jsonl or config.yaml)", folder)
+        return 2
+    print(write_report(folder))
+    return 0
 
 
 def setup_logging() -> None:
@@ -72,6 +112,10 @@ def run_jobs(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: library bars (diffusers, accelerate) go quiet too
+    if args.control or args.status or args.report:
+        return run_tool(args)
     return run_jobs(args)
 
 

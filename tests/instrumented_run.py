@@ -5,6 +5,8 @@
 - DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch;
 - DIFFTUNE_TEST_RECORD_INDICES=DIR: every process appends the sample indices of each micro-batch to
   DIR/rank<R>.jsonl as {"epoch": e, "indices": [...]}.
+- DIFFTUNE_TEST_CONTROL_AFTER=N:ACTION[,N:ACTION...]: right after update N the main process runs the real
+  `python run.py --control RUN_FOLDER ACTION` in a subprocess (as a user in another terminal would).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -40,6 +43,18 @@ def interrupt_after(step: int):
             original(self, record, progress)
             if record["step"] == step and self.is_main:
                 os.kill(os.getpid(), signal.SIGINT)
+        return after_update
+
+    return wrapped(BaseSDTrainProcess, "after_update", wrap)
+
+
+def control_after(plan: dict[int, list[str]]):
+    def wrap(original):
+        def after_update(self, record, progress):
+            original(self, record, progress)
+            for action in plan.get(record["step"], []) if self.is_main else []:
+                subprocess.run([sys.executable, str(Path(run.__file__)), "--control", str(self.run_dir), action],
+                               check=True, capture_output=True)
         return after_update
 
     return wrapped(BaseSDTrainProcess, "after_update", wrap)
@@ -74,6 +89,12 @@ if __name__ == "__main__":
             instruments.enter_context(interrupt_after(int(os.environ["DIFFTUNE_TEST_INTERRUPT_AFTER"])))
         if "DIFFTUNE_TEST_FAIL_RANK" in os.environ:
             instruments.enter_context(fail_on_rank(int(os.environ["DIFFTUNE_TEST_FAIL_RANK"])))
+        if "DIFFTUNE_TEST_CONTROL_AFTER" in os.environ:
+            plan: dict[int, list[str]] = {}
+            for item in os.environ["DIFFTUNE_TEST_CONTROL_AFTER"].split(","):
+                step, action = item.split(":")
+                plan.setdefault(int(step), []).append(action)
+            instruments.enter_context(control_after(plan))
         if "DIFFTUNE_TEST_RECORD_INDICES" in os.environ:
             instruments.enter_context(record_indices(Path(os.environ["DIFFTUNE_TEST_RECORD_INDICES"])))
         sys.exit(run.main(sys.argv[1:]))

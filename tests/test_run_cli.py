@@ -42,15 +42,18 @@ def test_rerun_of_a_finished_run_changes_nothing_and_resume_false_refuses(tmp_pa
     path = write_job(tmp_path / "job.yaml", "once", trainer_process(tmp_path, train={"steps": 1}))
     assert run.main([str(path)]) == 0
     run_dir = tmp_path / "output" / "once"
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"}
+    # config.yaml is rewritten, status.json says who looked last; the work itself is untouched
+    kept = lambda p: p.is_file() and p.name not in ("config.yaml", "status.json")  # noqa: E731
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if kept(p)}
     assert run.main([str(path)]) == 0
     assert "already complete at step 1" in caplog.text
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"} == before
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if kept(p)} == before
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
 
     fresh = write_job(tmp_path / "job.yaml", "once", trainer_process(tmp_path, train={"steps": 1, "resume": False}))
     assert run.main([str(fresh)]) == 1
     assert "train.resume is false" in caplog.text and "train.overwrite: true" in caplog.text
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"} == before
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if kept(p)} == before
 
 
 def _env():

@@ -176,6 +176,16 @@ def memory_debug(label: str, enabled: bool, log: logging.Logger | None = None) -
         (log or logging.getLogger("difftune")).info(describe_memory(record), extra={"memory": record})
 
 
+def memory_fields() -> dict[str, float]:
+    """Memory for a metrics line, in MiB: the accelerator's peak allocation where there is one, else the
+    process RSS."""
+    accelerator = accelerator_memory()
+    if accelerator:
+        return {"peak_memory_mib": round(accelerator["peak"] / 2**20, 1)}
+    rss = process_rss_bytes()
+    return {} if rss is None else {"rss_mib": round(rss / 2**20, 1)}
+
+
 def describe_memory(record: dict[str, Any]) -> str:
     """One log line for a memory_debug record, in MiB."""
     parts = [f"memory [{record['label']}] {record['seconds']:.2f}s"]

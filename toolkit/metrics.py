@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+
+
+def progress_bars_wanted() -> bool:
+    """False under `run.py --quiet`, which sets tqdm's own TQDM_DISABLE (so library bars go quiet too)."""
+    return os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true", "yes")
 
 
 class MetricsWriter:

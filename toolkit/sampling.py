@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from PIL.PngImagePlugin import PngInfo
+from tqdm.auto import tqdm
 
 from .config.schema import SampleConfig
 from .data.captions import apply_trigger
@@ -36,12 +37,13 @@ class SampleRenderer:
         return self.cfg.seed + index if self.cfg.walk_seed else self.cfg.seed
 
     @torch.no_grad()
-    def render(self, adapter: ModelAdapter, step: int) -> list[Path]:
+    def render(self, adapter: ModelAdapter, step: int, progress: bool = False) -> list[Path]:
         pipe = adapter.sampling_pipeline()
         pipe.set_progress_bar_config(disable=True)
         self.folder.mkdir(parents=True, exist_ok=True)
         written = []
-        for index, prompt in enumerate(self.prompts):
+        for index, prompt in enumerate(tqdm(self.prompts, desc="sampling", unit="image", leave=False,
+                                            disable=not progress)):
             seed = self.seed_for(index)
             image = pipe(
                 prompt=prompt,

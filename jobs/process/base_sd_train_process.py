@@ -21,10 +21,12 @@ from toolkit.data.buckets import BucketBatchSampler
 from toolkit.data.dataset import build_dataset, collate
 from toolkit.data.latent_cache import LatentCache, cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
-from toolkit.device import DTYPES, flush, memory_debug, modules_on, safe_module_to_device, torch_dtype
-from toolkit.metrics import MetricsWriter, TimestepStats, truncate_after
+from toolkit.control import RunMonitor, write_json_atomic
+from toolkit.device import DTYPES, flush, memory_debug, memory_fields, modules_on, safe_module_to_device, torch_dtype
+from toolkit.metrics import MetricsWriter, TimestepStats, progress_bars_wanted, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
 from toolkit.network.formats import kohya_metadata, to_comfy
+from toolkit.report import PLAN_FILE, write_report
 from toolkit.network.lora import (
     add_lora,
     compare_lora_state,
@@ -70,15 +72,23 @@ class BaseSDTrainProcess(BaseTrainProcess):
             if resume_from is not None:
                 self.set_aside_abandoned_checkpoints()
             self.open_metrics(resumed=resume_from is not None)
+            self.open_monitor()
             if self.position.global_step >= self.plan.total_updates and resume_from is not None:
                 self.report_already_complete()
                 return
             with GracefulStop() as self.stop:
                 self.train()
-            if self.position.global_step < self.plan.total_updates and self.stop_requested_everywhere():
+            if self.position.global_step < self.plan.total_updates:  # left the loop on a collective stop
                 self.stop_with_checkpoint()
             self.finish()
+        except StopRequested:
+            raise
+        except BaseException as error:
+            if getattr(self, "monitor", None) is not None:
+                self.monitor.ended("failed", self.position.global_step, f"{type(error).__name__}: {error}")
+            raise
         finally:
+            self.end_tracking()
             self.teardown_accelerator()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -123,6 +133,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         self.last_saved_step = -1
         self.stop = GracefulStop()
         self.stopping = False
+        self.smoothed_loss: float | None = None
 
     def load_model(self) -> ModelAdapter:
         adapter_class = get_adapter_class(self.config.model.arch)
@@ -232,6 +243,19 @@ class BaseSDTrainProcess(BaseTrainProcess):
             )
             self.plan = self.plan.with_micro_batches(real_micro_batches)
 
+    def open_monitor(self) -> None:
+        """status.json (running), the plan next to it for the report, and the TensorBoard tracker if asked."""
+        self.monitor = RunMonitor(self.run_dir, self.is_main, self.plan.total_updates)
+        self.monitor.started(self.position.global_step)
+        if self.is_main:
+            write_json_atomic(self.run_dir / PLAN_FILE, self.plan.as_dict(), sort_keys=False)
+        if self.config.logging.tensorboard:
+            self.accelerator.init_trackers(self.job.name)
+
+    def end_tracking(self) -> None:
+        if self.config.logging.tensorboard and getattr(self, "monitor", None) is not None:
+            self.accelerator.end_training()
+
     def open_metrics(self, resumed: bool) -> None:
         """metrics.jsonl keeps one line per update: lines after the resumed step (an interrupted run's
         updates that no checkpoint kept) are dropped, a fresh start begins an empty file."""
@@ -316,6 +340,9 @@ class BaseSDTrainProcess(BaseTrainProcess):
                  "continue", self.position.global_step, self.plan.total_updates)
         if self.is_main and not self.final_lora_path.exists():
             self.write_final_loras()
+        if self.is_main:
+            write_report(self.run_dir)
+        self.monitor.ended("finished", self.position.global_step)
 
     # ---- loop ----------------------------------------------------------------------------------
 
@@ -324,7 +351,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if self.config.sample.sample_at_start and self.position.global_step == 0:
             self.sample(step=0)
         progress = tqdm(total=self.plan.total_updates, initial=self.position.global_step, desc="train",
-                        unit="step", disable=not self.is_main)
+                        unit="step", disable=not self.progress_enabled)
         # `stopping` is only ever set from the collective check, so every process leaves together
         while self.position.global_step < self.plan.total_updates and not self.stopping:
             self.train_epoch(progress)
@@ -344,9 +371,10 @@ class BaseSDTrainProcess(BaseTrainProcess):
     def train_epoch(self, progress: tqdm) -> None:
         pos = self.position
         window: list[dict[str, torch.Tensor]] = []
-        started = time.perf_counter()
+        started, samples = time.perf_counter(), 0
         for micro_batch, batch in self.epoch_batches():
             pos.micro_batch_in_epoch = micro_batch + 1
+            samples += len(batch["indices"])
             with self.accelerator.accumulate(self.trained_module):
                 loss, parts = self.train_step(batch, pos.epoch, micro_batch)
                 self.accelerator.backward(loss * self.loss_scale(micro_batch))
@@ -356,10 +384,11 @@ class BaseSDTrainProcess(BaseTrainProcess):
                 record = self.optimizer_update(window)
             if record is not None:
                 record["time"] = time.perf_counter() - started
+                record["samples_per_s"] = samples * self.accelerator.num_processes / record["time"]
                 self.after_update(record, progress)
-                if pos.global_step >= self.plan.total_updates or self.stop_requested_everywhere():
+                if pos.global_step >= self.plan.total_updates or self.steer():
                     return
-            window, started = [], time.perf_counter()
+            window, started, samples = [], time.perf_counter(), 0
         pos.epoch += 1
         pos.micro_batch_in_epoch = 0
 
@@ -396,31 +425,49 @@ class BaseSDTrainProcess(BaseTrainProcess):
 
     def after_update(self, record: dict, progress: tqdm) -> None:
         step = record["step"]
+        self.smoothed_loss = record["loss"] if self.smoothed_loss is None else \
+            self.smoothed_loss + 0.1 * (record["loss"] - self.smoothed_loss)
         if step % self.config.logging.log_every == 0 or step == self.plan.total_updates:
             if self.timestep_stats is not None:
                 record.update(self.timestep_stats.flush())
+            record.update(memory_fields())
             self.metrics.write(record)
+            if self.config.logging.tensorboard:
+                self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         progress.update(1)
-        progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+        progress.set_postfix(loss=f"{self.smoothed_loss:.4f}", lr=f"{record['lr']:.2e}",
                              s_it=f"{record['time']:.2f}", refresh=False)
+        self.monitor.heartbeat(step)
         if self.config.save.save_every and step % self.config.save.save_every == 0:
             self.save_checkpoint()
         if self.config.sample.sample_every and step % self.config.sample.sample_every == 0:
             self.sample(step)
 
-    def stop_requested_everywhere(self) -> bool:
-        """Whether any process got a stop signal (collective: call on every process at the same point);
-        all processes then stop after the same update."""
-        flag = torch.tensor([float(self.stop.requested)], device=self.accelerator.device)
+    def steer(self) -> bool:
+        """Once per update on every process (collective): a stop signal on any process and the control
+        requests the main process found become one decision everywhere. `save` and `sample` act now (and the
+        run goes on); returns whether to stop, which every process then does after this same update."""
+        wanted = self.monitor.take_requests()
+        flags = torch.tensor([float(self.stop.requested or wanted["stop"]), float(wanted["save"]),
+                              float(wanted["sample"])], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, reduction="sum")
-        self.stopping = bool(flag.item() > 0)
-        return self.stopping
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        stop, save, sample = (value > 0 for value in flags.tolist())
+        if save and self.last_saved_step != self.position.global_step:
+            log.info("control: saving a checkpoint at step %d", self.position.global_step)
+            self.save_checkpoint()
+        if sample:
+            log.info("control: rendering samples at step %d", self.position.global_step)
+            self.sample(self.position.global_step)
+        self.monitor.acknowledge()
+        self.stopping = stop
+        return stop
 
     def stop_with_checkpoint(self) -> None:
         if self.last_saved_step != self.position.global_step:
             self.save_checkpoint()
         self.metrics.close()
+        self.monitor.ended("stopped", self.position.global_step)
         raise StopRequested(
             f"stopped at step {self.position.global_step}; checkpoint saved in {self.checkpoints_dir}. "
             "Run the same command again to resume."
@@ -438,10 +485,15 @@ class BaseSDTrainProcess(BaseTrainProcess):
             with memory_debug("sampling", self.config.logging.debug_memory), \
                     modules_on(modules, self.accelerator.device, while_moving=self.mirrors_detached), \
                     torch.random.fork_rng(devices=self.cuda_devices()):
-                self.renderer.render(self.adapter, step)
+                self.renderer.render(self.adapter, step, progress=self.progress_enabled)
             self.trained_module.train()
             flush()
+            write_report(self.run_dir)
         self.accelerator.wait_for_everyone()
+
+    @property
+    def progress_enabled(self) -> bool:
+        return self.is_main and progress_bars_wanted()
 
     def cuda_devices(self) -> list[int]:
         device = self.accelerator.device
@@ -519,6 +571,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         self.last_saved_step = self.position.global_step
         if self.is_main:
             log.info("saved checkpoint %s", folder)
+            write_report(self.run_dir)
 
     def finish(self) -> None:
         step = self.position.global_step
@@ -529,4 +582,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         self.metrics.close()
         if not (self.config.sample.sample_every and step % self.config.sample.sample_every == 0):
             self.sample(step)
+        if self.is_main:
+            write_report(self.run_dir)
+        self.monitor.ended("finished", step)
         self.accelerator.wait_for_everyone()

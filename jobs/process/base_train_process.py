@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 from accelerate.state import AcceleratorState, GradientState
 
 from toolkit import checkpoint
@@ -56,10 +57,14 @@ class BaseTrainProcess(BaseProcess):
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device.index)
         self.mixed_precision = mixed_precision(self.config.train.dtype, device)
+        tensorboard = self.config.logging.tensorboard
         self.accelerator = Accelerator(
             cpu=device.type == "cpu",
             mixed_precision=self.mixed_precision,
             gradient_accumulation_steps=self.config.train.gradient_accumulation,
+            log_with="tensorboard" if tensorboard else None,
+            project_config=ProjectConfiguration(project_dir=str(self.run_dir),
+                                                logging_dir=str(self.run_dir / "tensorboard")),
         )
         return self.accelerator
 

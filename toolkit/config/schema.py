@@ -378,6 +378,8 @@ class LoggingConfig(Section):
     log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every N steps.")
     debug_timesteps: bool = Field(False, description="Add a 10-bin histogram of the sampled u and the mean loss "
                                   "per bin to each metrics line (main process's draws).")
+    tensorboard: bool = Field(False, description="Also log the metrics to TensorBoard (<run>/tensorboard/), through "
+                              "accelerate's tracker; needs `pip install tensorboard` (the `tensorboard` extra).")
     debug_memory: bool = Field(False, description="Log accelerator memory (allocated, reserved, peak) and process "
                                "RSS around model load, quantization, encoder unloads, LoRA load and sampling.")
 

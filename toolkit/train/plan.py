@@ -79,8 +79,8 @@ class TrainingPlan:
         """accelerate repeats the first few batches so that every process gets as many as the others."""
         return self.micro_batches_per_epoch * self.processes - self.batches
 
-    def describe(self) -> str:
-        rows = [
+    def rows(self) -> list[tuple[str, int]]:
+        return [
             ("samples", self.samples),
             ("batches per epoch (all processes)", self.batches),
             ("processes", self.processes),
@@ -92,6 +92,12 @@ class TrainingPlan:
             ("epochs", self.epochs),
             ("batches repeated to even shards", self.repeated_batches),
         ]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.rows())
+
+    def describe(self) -> str:
+        rows = self.rows()
         width = max(len(name) for name, _ in rows)
         lines = ["training plan (a step is one optimizer update):"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]

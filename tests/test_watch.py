@@ -1,0 +1,167 @@
+"""Watching and steering a run: samples, metrics, report.html, control requests and status.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+import run
+from helpers import REPO, launch, trainer_process, write_job
+from jobs import get_job
+from toolkit import control
+from toolkit.config import load_config
+from toolkit.metrics import read_metrics
+
+INSTRUMENTED = REPO / "tests" / "instrumented_run.py"
+PROMPTS = ["[trigger], a red circle", "a blue square"]
+
+
+def run_job(tmp, registry, name: str, process: dict):
+    config, path = load_config(str(write_job(tmp / f"{name}.yaml", name, process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    return job.processes[0], tmp / "output" / name
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory, registry, tiny_sd15):
+    """6 updates with samples every 2 (and a baseline), next to the same run without samples."""
+    tmp = tmp_path_factory.mktemp("watch")
+    runs = {}
+    for name, sample in (("with", {"sample_every": 2, "prompts": PROMPTS, "sample_at_start": True,
+                                   "sample_steps": 2, "width": 64, "height": 64, "seed": 7}),
+                         ("without", {})):
+        process = trainer_process(tmp, train={"steps": 6}, save={"save_every": 3}, sample=sample)
+        runs[name] = run_job(tmp, registry, name, process)
+    return runs
+
+
+def test_samples_are_written_with_their_metadata(sampled):
+    _, run_dir = sampled["with"]
+    names = sorted(p.name for p in (run_dir / "samples").iterdir())
+    assert names == [f"step_{step:09d}_{i}.png" for step in (0, 2, 4, 6) for i in (0, 1)]
+    info = Image.open(run_dir / "samples" / "step_000000004_1.png").text
+    assert info["prompt"] == "a blue square" and info["seed"] == "8" and info["step"] == "4"  # walk_seed: 7 + 1
+    assert info["model"] == "tiny"
+    assert Image.open(run_dir / "samples" / "step_000000002_0.png").text["prompt"] == "shp, a red circle"
+
+
+def test_sampling_does_not_change_training(sampled):
+    with_samples = read_metrics(sampled["with"][1] / "metrics.jsonl")
+    without = read_metrics(sampled["without"][1] / "metrics.jsonl")
+    assert [r["loss"] for r in with_samples] == [r["loss"] for r in without]
+    assert [r["grad_norm"] for r in with_samples] == [r["grad_norm"] for r in without]
+
+
+def test_metrics_lines_carry_throughput_and_memory(sampled):
+    records = read_metrics(sampled["without"][1] / "metrics.jsonl")
+    for record in records:
+        assert record["samples_per_s"] > 0 and record["rss_mib"] > 0
+        assert {"step", "epoch", "loss", "loss_main", "lr", "grad_norm", "time"} <= set(record)
+
+
+def svg_series(page: str) -> dict[str, int]:
+    """Series name -> number of points of each polyline in the page."""
+    return {html_name: len(points.split())
+            for html_name, points in re.findall(r'data-series="([^"]+)" points="([^"]*)"', page)}
+
+
+def test_report_plots_every_metric_and_shows_the_samples(sampled):
+    _, run_dir = sampled["with"]
+    page = (run_dir / "report.html").read_text()
+    records = read_metrics(run_dir / "metrics.jsonl")
+    series = svg_series(page)
+    metrics = {k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")}
+    assert metrics and metrics <= set(series)
+    assert all(series[name] == len(records) for name in metrics)
+    assert series["loss (smoothed)"] == len(records)
+    for path in (run_dir / "samples").iterdir():
+        assert f'src="samples/{path.name}"' in page
+    assert "total updates" in page and "name_or_path: tiny" in page  # the plan and the resolved config
+    assert "http://" not in page.replace("http://www.w3.org", "") and "https://" not in page  # no network
+
+
+def test_report_command_rebuilds_the_same_file(sampled, capsys):
+    _, run_dir = sampled["with"]
+    written = (run_dir / "report.html").read_bytes()
+    (run_dir / "report.html").unlink()
+    assert run.main(["--report", str(run_dir)]) == 0
+    assert (run_dir / "report.html").read_bytes() == written
+
+
+def test_status_of_a_finished_run(sampled, capsys):
+    _, run_dir = sampled["with"]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert run.main(["--status", str(run_dir)]) == 0
+    assert "finished, step 6/6" in capsys.readouterr().out
+
+
+def test_status_of_a_running_and_of_a_crashed_run(tmp_path, capsys):
+    control.Status(state="running", pid=os.getpid(), step=3, total=10).write(tmp_path)
+    assert run.main(["--status", str(tmp_path)]) == 0
+    assert "running, step 3/10" in capsys.readouterr().out
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    control.Status(state="running", pid=gone.pid, step=3, total=10).write(tmp_path)
+    assert run.main(["--status", str(tmp_path)]) == 1
+    assert "crashed" in capsys.readouterr().out
+
+
+def controlled_run(tmp_path, processes: int, plan: str, steps: int = 8, extra_env: dict | None = None):
+    process = trainer_process(tmp_path, train={"steps": steps, "batch_size": 1},
+                              save={"save_every": 0, "max_step_saves_to_keep": 4},
+                              sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64})
+    job = write_job(tmp_path / "job.yaml", "steer", process)
+    env = {"DIFFTUNE_TEST_CONTROL_AFTER": plan, **(extra_env or {})}
+    if processes == 1:
+        command = [sys.executable, str(INSTRUMENTED), str(job)]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                                env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    else:
+        result = launch(job, processes, tmp_path, script=INSTRUMENTED, env=env)
+    return result, tmp_path / "output" / "steer"
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_control_save_and_sample_act_once_and_stop_ends_with_a_checkpoint(tmp_path, processes):
+    result, run_dir = controlled_run(tmp_path, processes, "2:save,3:sample,5:stop")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000002", "step_000000005"]
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_000000003_0.png"]
+    assert not list((run_dir / "control").iterdir())  # every request was acted on and removed
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+    assert not (run_dir / "steer.safetensors").exists()  # stopped, not finished: resume continues it
+
+
+def test_a_failed_run_says_so_in_its_status(tmp_path):
+    result, run_dir = controlled_run(tmp_path, 1, "1:save", extra_env={"DIFFTUNE_TEST_FAIL_RANK": "0"})
+    assert result.returncode != 0
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "injected failure on rank 0" in status["last_error"]
+    assert run.main(["--status", str(run_dir)]) == 1
+
+
+def test_control_refuses_unknown_actions_and_folders(tmp_path):
+    assert run.main(["--control", str(tmp_path), "pause"]) == 2
+    assert run.main(["--control", str(tmp_path / "absent"), "stop"]) == 2
+    assert not (tmp_path / "control").exists()
+
+
+def test_tensorboard_logs_the_metrics(tmp_path, registry, tiny_sd15):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir = run_job(tmp_path, registry, "tb", trainer_process(tmp_path, train={"steps": 3},
+                                                                   logging={"tensorboard": True}))
+    events = list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events
+    accumulator = EventAccumulator(str(events[0].parent))
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Scalars("loss")] == [1, 2, 3]

@@ -1,0 +1,149 @@
+"""Steering a run from outside, and saying how it is: `RUN_FOLDER/control/` requests and `status.json`.
+
+`python run.py --control RUN_FOLDER stop|save|sample` leaves one small file per request; the trainer's main
+process reads them at every update, all processes act on the broadcast decision, and the files are removed
+once acted on. `status.json` says whether the run is running, stopped, finished or failed, and which
+process runs it, so `python run.py --status RUN_FOLDER` can tell a crashed run from a running one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+CONTROL_DIR = "control"
+STATUS_FILE = "status.json"
+ACTIONS = ("stop", "save", "sample")
+STATES = ("running", "stopped", "finished", "failed")
+
+
+def write_json_atomic(path: Path, data: dict, sort_keys: bool = True) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=sort_keys) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def request(run_dir: Path, action: str) -> Path:
+    """Leave a request for the trainer of `run_dir`; returns the request file."""
+    if action not in ACTIONS:
+        raise ValueError(f"unknown control action '{action}' (one of: {', '.join(ACTIONS)})")
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run folder {run_dir}")
+    path = run_dir / CONTROL_DIR / f"{time.time_ns()}-{os.getpid()}-{action}.json"
+    write_json_atomic(path, {"action": action, "requested_at": time.time()})
+    return path
+
+
+def pending(run_dir: Path) -> dict[str, list[Path]]:
+    """The request files waiting, by action (files that are not requests are left alone)."""
+    folder = run_dir / CONTROL_DIR
+    found: dict[str, list[Path]] = {action: [] for action in ACTIONS}
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.glob("*.json")):
+        action = path.stem.rsplit("-", 1)[-1]
+        if action in found:
+            found[action].append(path)
+    return found
+
+
+def done(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+@dataclass
+class Status:
+    """What `status.json` holds."""
+
+    state: str
+    pid: int = field(default_factory=os.getpid)
+    step: int = 0
+    total: int = 0
+    updated_at: float = field(default_factory=time.time)
+    started_at: float = field(default_factory=time.time)
+    last_error: str | None = None
+
+    def write(self, run_dir: Path) -> None:
+        self.updated_at = time.time()
+        write_json_atomic(run_dir / STATUS_FILE, asdict(self))
+
+
+def read_status(run_dir: Path) -> Status | None:
+    path = run_dir / STATUS_FILE
+    if not path.is_file():
+        return None
+    return Status(**json.loads(path.read_text(encoding="utf-8")))
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def describe_status(run_dir: Path) -> tuple[str, str]:
+    """(state, one-line description); a `running` run whose process is gone is `crashed`."""
+    status = read_status(run_dir)
+    if status is None:
+        return "unknown", f"{run_dir}: no {STATUS_FILE} (not a run folder, or the run never started)"
+    state = status.state
+    if state == "running" and not process_alive(status.pid):
+        state = "crashed"
+    age = time.time() - status.updated_at
+    line = f"{run_dir}: {state}, step {status.step}/{status.total}, pid {status.pid}, updated {age:.0f} s ago"
+    if state == "crashed":
+        line += " (its process is gone without saying why; run the same command again to resume)"
+    if status.last_error:
+        line += f"\n  last error: {status.last_error}"
+    return state, line
+
+
+class RunMonitor:
+    """The main process's side of steering and status for one run: reads requests, keeps status.json fresh
+    (at most every `heartbeat_s` seconds while running) and records how the run ended. Other processes get a
+    disabled monitor and learn decisions from the trainer's broadcast."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total: int, heartbeat_s: float = 10.0):
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.status = Status(state="running", total=total)
+        self.heartbeat_s = heartbeat_s
+        self.taken: list[Path] = []
+
+    def started(self, step: int) -> None:
+        self._write("running", step)
+
+    def heartbeat(self, step: int) -> None:
+        if self.enabled and time.time() - self.status.updated_at >= self.heartbeat_s:
+            self._write("running", step)
+
+    def take_requests(self) -> dict[str, bool]:
+        """Which actions are requested now; the files are removed by `acknowledge` once acted on."""
+        if not self.enabled:
+            return {action: False for action in ACTIONS}
+        found = pending(self.run_dir)
+        self.taken = [path for paths in found.values() for path in paths]
+        return {action: bool(paths) for action, paths in found.items()}
+
+    def acknowledge(self) -> None:
+        done(self.taken)
+        self.taken = []
+
+    def ended(self, state: str, step: int, error: str | None = None) -> None:
+        self.status.last_error = error
+        self._write(state, step)
+
+    def _write(self, state: str, step: int) -> None:
+        if not self.enabled:
+            return
+        self.status.state, self.status.step = state, step
+        self.status.write(self.run_dir)
