@@ -187,7 +187,24 @@ def test_modules_on_moves_through_the_helper_and_back_even_on_error(monkeypatch)
     target = torch.device("cuda", 0)
     with pytest.raises(KeyError), modules_on([first, second], target):
         raise KeyError("sampling failed")
-    assert moves == [(first, target), (second, target), (first, CPU), (second, CPU)]
+    assert moves == [(first, target), (second, target), (second, CPU), (first, CPU)]
+
+
+def test_modules_on_sends_back_what_arrived_when_a_later_arrival_fails(monkeypatch):
+    """E.g. the accelerator runs out of memory moving the second module: the first must not stay there."""
+    moves = []
+    first, second = small_stack(), small_stack()
+    target = torch.device("cuda", 0)
+
+    def move(module, to):
+        if module is second and to == target:
+            raise torch.OutOfMemoryError("no room")
+        moves.append((module, to))
+
+    monkeypatch.setattr(device_mod, "safe_module_to_device", move)
+    with pytest.raises(torch.OutOfMemoryError), modules_on([first, second], target):
+        pass
+    assert moves == [(first, target), (first, CPU)]
 
 
 # ---- memory_debug --------------------------------------------------------------------------------------

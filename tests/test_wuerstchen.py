@@ -82,17 +82,23 @@ def test_tiny_run_is_finite_and_writes_a_sample(trained):
 
 
 def test_default_clipping_keeps_a_random_init_prior_finite(tmp_path, registry, tiny_cache):
-    """The prior predicts (x - a) / |1 - b|: at plain random init its gradients are huge. The default
-    max_grad_norm (1.0) clips them and the run's losses stay finite."""
+    """The prior predicts (x - a) / |1 - b|: at plain random init its gradient norms reach 10^4 and more. The
+    default max_grad_norm (1.0) clips them (the run differs from an unclipped one) and every loss stays finite."""
     raw = ensure_tiny_wuerstchen({**TINY_WUERSTCHEN, "prior_out_scale": 1.0})
     model = {"arch": "wuerstchen", "name_or_path": str(raw / "prior"),
              "image_encoder_path": str(raw / "image_encoder.safetensors")}
-    process, run_dir = run_job(tmp_path, registry, "raw", wuerstchen_process(
-        tmp_path, model=model, train={"steps": 20, "lr": 1e-3, "batch_size": 2}))
-    records = read_metrics(run_dir / "metrics.jsonl")
+    runs = {}
+    for name, train in (("clipped", {}), ("unclipped", {"max_grad_norm": 0})):
+        process, run_dir = run_job(tmp_path, registry, name, wuerstchen_process(
+            tmp_path, model=model, train={"steps": 20, "lr": 1e-3, "batch_size": 2, **train}))
+        runs[name] = (process, read_metrics(run_dir / "metrics.jsonl"))
+    process, records = runs["clipped"]
     assert process.config.train.max_grad_norm == 1.0
     assert len(records) == 20 and all(math.isfinite(r["loss"]) for r in records)
-    assert max(r["grad_norm"] for r in records) > 100  # what the clipping had to tame
+    assert max(r["grad_norm"] for r in records) > 1e4  # what the clipping had to tame
+    clipped = [p.detach() for p in process.lora_params]
+    unclipped = [p.detach() for p in runs["unclipped"][0].lora_params]
+    assert any(not torch.equal(a, b) for a, b in zip(clipped, unclipped))
 
 
 def test_caches_are_used_when_asked(trained):
@@ -235,3 +241,37 @@ def test_two_processes_complete_the_planned_updates(tmp_path, tiny_wuerstchen):
     assert [r["step"] for r in records] == list(range(1, 7))
     assert all(math.isfinite(r["loss"]) for r in records)
     assert (tmp_path / "output" / "two" / "two.safetensors").is_file()
+
+
+def test_a_full_width_torchvision_encoder_loads_with_its_widths_and_outputs():
+    """A reference built the way Wuerstchen's code builds it (torchvision's efficientnet_v2_s features plus the
+    mapper), with non-trivial BatchNorm statistics: widths read back, same outputs, also without the
+    `num_batches_tracked` counters."""
+    from torch import nn
+    from torchvision.models import efficientnet_v2_s
+
+    torch.manual_seed(0)
+    reference = nn.Module()
+    reference.backbone = efficientnet_v2_s(weights=None).features
+    reference.mapper = nn.Sequential(nn.Conv2d(1280, 16, kernel_size=1, bias=False), nn.BatchNorm2d(16))
+    for module in reference.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+    reference.eval()
+    state = {k: v for k, v in reference.state_dict().items() if not k.endswith("num_batches_tracked")}
+    loaded = EfficientNetImageEncoder.from_state_dict(state, "reference").eval()
+    assert loaded.stage_channels == [24, 24, 48, 64, 128, 160, 256]
+    pixels = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(pixels), reference.mapper(reference.backbone(pixels)))
+
+
+def test_other_efficientnets_are_refused_by_name(encoder_state):
+    _, state = encoder_state
+    v2_l = {**state, "backbone.8.0.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match="l.pt: an EfficientNetV2-L encoder"):
+        EfficientNetImageEncoder.from_state_dict(v2_l, "l.pt")
+    no_stage = {k: v for k, v in state.items() if not k.startswith("backbone.3.")}
+    with pytest.raises(ValueError, match=r"gap.pt: not a Wuerstchen EfficientNet image encoder \(no 'backbone.3.0"):
+        EfficientNetImageEncoder.from_state_dict(no_stage, "gap.pt")

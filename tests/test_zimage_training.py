@@ -12,6 +12,7 @@ from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from helpers import QUICKSTART_DATA, held_out_loss, launch, trainer_process, write_job
 from optimum.quanto import qfloat8, qint8
 from optimum.quanto.nn import QModuleMixin
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -207,8 +208,11 @@ def test_low_vram_moves_go_through_the_device_helper(tmp_path, registry, monkeyp
     trainer = job.processes[0]
     encoders = [("Qwen3Model", "cpu"), ("AutoencoderKL", "cpu")]
     assert all(move in moves for move in encoders)
-    sampling = [move for move in moves if move[0] == "ZImageTransformer2DModel"]
-    assert sampling[-2:] == [("ZImageTransformer2DModel", "cpu"), ("ZImageTransformer2DModel", "cpu")]
+    # the last sampling round: the text encoder visits alone to encode the prompts and leaves; then the VAE and
+    # the sampling transformer arrive for rendering and leave in reverse order
+    assert [name for name, _ in moves[-6:]] == ["Qwen3Model", "Qwen3Model", "AutoencoderKL",
+                                                 "ZImageTransformer2DModel", "ZImageTransformer2DModel",
+                                                 "AutoencoderKL"]
     assert {p.device.type for p in trainer.lora_params} == {"cpu"}  # where training keeps them here
     assert all(mine is theirs for mine, theirs in trainer.mirrors[0].shared_parameters())
 
@@ -255,3 +259,71 @@ def test_resume_with_a_shared_sampling_lora_is_exact(tmp_path, registry):
     whole = load_file(run("whole", 4))
     assert split.keys() == whole.keys()
     assert all(torch.equal(split[k], whole[k]) for k in whole)
+
+
+def test_moving_the_sampling_transformer_leaves_the_trained_lora_in_place(tiny_cache):
+    """The mirror shares the trained LoRA's modules; while it moves (here to `meta`, where a moved tensor would
+    lose its data) they are detached, so the trained LoRA stays put. Without detaching it would move along."""
+    from toolkit.config.schema import ModelConfig, NetworkConfig
+    from toolkit.device import safe_module_to_device
+    from toolkit.network.lora import add_lora, mirror_lora
+
+    adapter = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny",
+                                             sampling={"name_or_path": "tiny-turbo"}), torch.device("cpu"),
+                                 torch.float32)
+    network = NetworkConfig(linear=4, linear_alpha=4)
+    trained = add_lora(adapter.transformer, network, adapter.lora_target_modules())
+    mirror = mirror_lora(adapter.transformer, adapter.sampling_transformer, network, adapter.lora_target_modules())
+    def trained_lora_devices() -> set[str]:
+        return {p.device.type for name, p in adapter.transformer.named_parameters() if ".lora_" in name}
+
+    with mirror.detached():
+        safe_module_to_device(adapter.sampling_transformer, "meta")
+    assert trained_lora_devices() == {"cpu"}
+    assert [id(p) for p in trained] == [id(p) for n, p in adapter.transformer.named_parameters() if ".lora_" in n]
+    assert all(mine is theirs for mine, theirs in mirror.shared_parameters())  # attached again
+    assert next(adapter.sampling_transformer.parameters()).device.type == "meta"
+    adapter.sampling_transformer.to("meta")  # the same move without detaching takes the trained LoRA along
+    assert trained_lora_devices() == {"meta"}
+
+
+def test_precomputed_sampling_conditioning_renders_the_same_image(tiny_cache):
+    """Sampling encodes the prompts first (so the text encoder can leave before the sampling model arrives):
+    the images equal the pipeline's own encoding, with guidance and a negative prompt too."""
+    from toolkit.config.schema import ModelConfig, SampleConfig
+    from toolkit.sampling import SampleRenderer
+
+    adapter = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    cfg = SampleConfig(prompts=["a red circle"], neg="blurry", guidance_scale=3.0, sample_steps=2, width=64, height=64)
+    images = {}
+    for name, conditioning in (("pipeline", None), ("precomputed", None)):
+        renderer = SampleRenderer(cfg, None, tiny_cache / f"samples_{name}", "tiny")
+        if name == "precomputed":
+            conditioning = renderer.conditioning(adapter)
+            assert conditioning[0] is not None
+        (path,) = renderer.render(adapter, 1, conditioning=conditioning)
+        images[name] = torch.tensor(list(Image.open(path).getdata()))
+    assert torch.equal(images["pipeline"], images["precomputed"])
+
+
+def test_quantized_text_encoder_still_encodes(tiny_cache):
+    from toolkit.config.schema import ModelConfig
+
+    plain = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    quantized = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny", quantize_te=True, qtype_te="qint8"),
+                                   torch.device("cpu"), torch.float32)
+    assert quantized_types(quantized.text_encoder) == {qint8}
+    assert not isinstance(quantized.text_encoder.embed_tokens, QModuleMixin)
+    ours, theirs = quantized.encode_prompts(["a red circle"]), plain.encode_prompts(["a red circle"])
+    error = (ours.embeds - theirs.embeds).norm() / theirs.embeds.norm()
+    assert 0 < error < 0.05
+
+
+def test_qfloat8_weights_stay_off_quantos_marlin_kernel():
+    """quanto's Marlin fp8 kernel (CUDA, compute capability 8+) drops the layer bias; quantizing through
+    toolkit.quantize keeps qfloat8 on the generic path."""
+    from optimum.quanto.tensor.weights import qbytes
+
+    quantize_blockwise(torch.nn.Sequential(torch.nn.Linear(64, 64)), "qfloat8")
+    assert qbytes.is_extension_available("quanto_cuda") is False
+    assert qbytes.is_extension_available("quanto_cpp") == qbytes.is_extension_available.__wrapped_original__("quanto_cpp")

@@ -107,18 +107,21 @@ def modules_on(modules: list[torch.nn.Module], device: torch.device,
                while_moving: Callable[[], AbstractContextManager] = nullcontext):
     """Bring modules that were moved off the accelerator back for a while (e.g. to render samples).
     `while_moving()` is entered around each batch of moves (e.g. to keep shared LoRA layers where they are)."""
-    homes = [_home(module) for module in modules]
-    with while_moving():
-        for module in modules:
-            safe_module_to_device(module, device)
+    moved: list[tuple[torch.nn.Module, torch.device]] = []
     try:
+        with while_moving():
+            for module in modules:
+                home = _home(module)
+                safe_module_to_device(module, device)
+                if home is not None:
+                    moved.append((module, home))
         yield
     finally:
+        # Everything that arrived goes home, also when a later arrival failed (e.g. out of memory);
         # safe_module_to_device flushes when a module leaves the accelerator, so no flush() here.
         with while_moving():
-            for module, home in zip(modules, homes, strict=True):
-                if home is not None:
-                    safe_module_to_device(module, home)
+            for module, home in reversed(moved):
+                safe_module_to_device(module, home)
 
 
 def process_rss_bytes() -> int | None:

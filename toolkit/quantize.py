@@ -18,6 +18,25 @@ from .device import safe_module_to_device
 QTYPES = {"qfloat8": qfloat8, "qint8": qint8, "qint4": qint4}
 
 
+def keep_qfloat8_off_marlin() -> None:
+    """optimum-quanto (0.2.7) turns qfloat8 weights of layers >= 64 wide into its Marlin fp8 kernel on CUDA GPUs
+    of compute capability 8+, and that kernel's linear function drops the layer's bias (Z-Image's adaLN layers
+    have one): outputs are silently wrong. Its generic qfloat8 path (dequantize, then matmul) is correct, so
+    quanto's check for the CUDA extension, as seen by the qfloat8 weight factory only, answers no."""
+    from optimum.quanto.tensor.weights import qbytes
+
+    if getattr(qbytes.is_extension_available, "difftune_guard", False):
+        return
+    original = qbytes.is_extension_available
+
+    def without_marlin(extension_type: str) -> bool:
+        return False if extension_type == "quanto_cuda" else original(extension_type)
+
+    without_marlin.difftune_guard = True
+    without_marlin.__wrapped_original__ = original
+    qbytes.is_extension_available = without_marlin
+
+
 def quanto_qtype(name: str):
     """The quanto weight type for a config name (`qfloat8`, `qint8`, `qint4`)."""
     if name not in QTYPES:
@@ -42,6 +61,7 @@ def quantize_blockwise(
     (embedders, final layers) keep full precision. `device=None` quantizes every block where it lives.
     """
     weights = quanto_qtype(qtype)
+    keep_qfloat8_off_marlin()
     exclude = list(exclude or [])
     if any(isinstance(module, QModuleMixin) for module in model.modules()):
         raise ValueError(f"{type(model).__name__} is already quantized; quantize a full-precision model once")

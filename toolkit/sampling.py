@@ -37,7 +37,13 @@ class SampleRenderer:
         return self.cfg.seed + index if self.cfg.walk_seed else self.cfg.seed
 
     @torch.no_grad()
-    def render(self, adapter: ModelAdapter, step: int, progress: bool = False) -> list[Path]:
+    def conditioning(self, adapter: ModelAdapter) -> list[dict | None]:
+        """Each prompt's precomputed conditioning where the family offers it (see ModelAdapter)."""
+        return [adapter.sampling_conditioning(prompt, self.cfg.neg) for prompt in self.prompts]
+
+    @torch.no_grad()
+    def render(self, adapter: ModelAdapter, step: int, progress: bool = False,
+               conditioning: list[dict | None] | None = None) -> list[Path]:
         pipe = adapter.sampling_pipeline()
         pipe.set_progress_bar_config(disable=True)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -45,9 +51,10 @@ class SampleRenderer:
         for index, prompt in enumerate(tqdm(self.prompts, desc="sampling", unit="image", leave=False,
                                             disable=not progress)):
             seed = self.seed_for(index)
+            given = conditioning[index] if conditioning else None
+            text = given if given is not None else {"prompt": prompt, "negative_prompt": self.cfg.neg or None}
             image = pipe(
-                prompt=prompt,
-                negative_prompt=self.cfg.neg or None,
+                **text,
                 num_inference_steps=self.cfg.sample_steps,
                 guidance_scale=adapter.default_guidance_scale if self.cfg.guidance_scale is None
                 else self.cfg.guidance_scale,

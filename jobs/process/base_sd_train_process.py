@@ -227,12 +227,23 @@ class BaseSDTrainProcess(BaseTrainProcess):
             # RNG, so a resumed run (which starts an iterator mid-epoch) sees the same global RNG stream.
             generator=torch.Generator().manual_seed(self.config.train.seed),
         )
+        self.keep_frozen_out_of_ddp(self.adapter.trainable_module())
         module, self.optimizer, self.dataloader = self.accelerator.prepare(
             self.adapter.trainable_module(), self.optimizer, dataloader
         )
         self.adapter.use_for_training(module)
         self.trained_module = module
         self.verify_plan(len(self.dataloader))
+
+    def keep_frozen_out_of_ddp(self, module: torch.nn.Module) -> None:
+        """DDP broadcasts every parameter at start and every buffer at each forward. The frozen base is loaded
+        the same on every process, so only the LoRA needs it: skipping the rest saves copying the whole model
+        (and quantized weights, which DDP does not broadcast correctly, are left alone)."""
+        if self.accelerator.num_processes == 1:
+            return
+        frozen = [name for name, param in module.named_parameters() if not param.requires_grad]
+        buffers = [name for name, _ in module.named_buffers()]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen + buffers)
 
     def verify_plan(self, real_micro_batches: int) -> None:
         if real_micro_batches != self.plan.micro_batches_per_epoch:
@@ -480,16 +491,32 @@ class BaseSDTrainProcess(BaseTrainProcess):
             return
         if self.is_main:
             self.trained_module.eval()
-            modules = self.offloaded + self.adapter.sampling_only_modules()
             # fork_rng: whatever a pipeline draws from the global RNG is not taken from training's stream
             with memory_debug("sampling", self.config.logging.debug_memory), \
-                    modules_on(modules, self.accelerator.device, while_moving=self.mirrors_detached), \
                     torch.random.fork_rng(devices=self.cuda_devices()):
-                self.renderer.render(self.adapter, step, progress=self.progress_enabled)
+                conditioning = self.sampling_conditioning()
+                with modules_on(self.sampling_modules(conditioning), self.accelerator.device,
+                                while_moving=self.mirrors_detached):
+                    self.renderer.render(self.adapter, step, self.progress_enabled, conditioning)
             self.trained_module.train()
             flush()
             write_report(self.run_dir)
         self.accelerator.wait_for_everyone()
+
+    def sampling_conditioning(self) -> list[dict | None]:
+        """The prompts' conditioning, computed first where the family can, with an offloaded text encoder
+        visiting alone: it has left again before the sampling model arrives."""
+        text_encoders = [m for m in self.offloaded if any(m is t for t in self.adapter.text_encoder_modules())]
+        with modules_on(text_encoders, self.accelerator.device):
+            return self.renderer.conditioning(self.adapter)
+
+    def sampling_modules(self, conditioning: list[dict | None]) -> list[torch.nn.Module]:
+        """What rendering needs on the accelerator: the offloaded modules (minus the text encoders when the
+        prompts are already encoded) and the sample-only models."""
+        encoded = all(c is not None for c in conditioning)
+        text_encoders = self.adapter.text_encoder_modules()
+        needed = [m for m in self.offloaded if not (encoded and any(m is t for t in text_encoders))]
+        return needed + self.adapter.sampling_only_modules()
 
     @property
     def progress_enabled(self) -> bool:

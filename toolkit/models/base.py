@@ -129,6 +129,11 @@ class ModelAdapter(ABC):
     def sampling_pipeline(self) -> Any:
         """A diffusers pipeline over the current components (LoRA active) for sample images."""
 
+    def sampling_conditioning(self, prompt: str, negative: str) -> dict[str, Any] | None:
+        """Pipeline arguments that stand for the prompt (precomputed embeddings), so that the text encoder can
+        leave the accelerator before the sampling model arrives; None where the pipeline encodes prompts."""
+        return None
+
     def sampling_unavailable(self) -> str | None:
         """Why sample images cannot be rendered with this config (e.g. a missing decoder), or None."""
         return None

@@ -17,7 +17,7 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
-from ..device import memory_debug
+from ..device import memory_debug, safe_module_to_device
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
 from .noise_schedules import DDPMNoiseSchedule
@@ -55,7 +55,7 @@ class SD15Adapter(ModelAdapter):
             else:
                 parts = cls._load_folder(source, model_cfg, dtype)
         adapter = cls(*parts, source=source)
-        adapter._freeze_and_place(device)
+        adapter._freeze_and_place(device, model_cfg.low_vram)
         return adapter
 
     @staticmethod
@@ -79,11 +79,14 @@ class SD15Adapter(ModelAdapter):
         scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, scheduler
 
-    def _freeze_and_place(self, device: torch.device) -> None:
+    def _freeze_and_place(self, device: torch.device, low_vram: bool) -> None:
+        """Frozen, in eval mode; the encoders wait on the CPU under low_vram (the trainer brings them)."""
         for module in (self.unet, self.vae, self.text_encoder):
             module.requires_grad_(False)
             module.eval()
-            module.to(device)
+        safe_module_to_device(self.unet, device)
+        for module in (self.vae, self.text_encoder):
+            safe_module_to_device(module, "cpu" if low_vram else device)
 
     @property
     def device(self) -> torch.device:
@@ -161,10 +164,14 @@ class SD15Adapter(ModelAdapter):
         return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}
 
 
-def weights_fingerprint(module: torch.nn.Module) -> str:
-    """A digest of a module's weights (each tensor's sum and norm): a VAE or text encoder
-    swapped in under the same path and config still changes cache keys."""
+def weights_fingerprint(module: torch.nn.Module, buffers: bool = False) -> str:
+    """A digest of a module's weights (each tensor's sum and norm), and of its floating-point buffers when
+    asked (e.g. BatchNorm statistics): a VAE or text encoder swapped in under the same path and config still
+    changes cache keys."""
+    tensors = list(module.parameters())
+    if buffers:
+        tensors += [b for b in module.buffers() if b.is_floating_point()]
     with torch.no_grad():
         stats = torch.stack([torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
-                             for p in module.parameters()])
+                             for p in tensors])
     return hashlib.sha256(stats.cpu().numpy().round(6).tobytes()).hexdigest()[:16]

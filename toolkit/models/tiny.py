@@ -126,7 +126,8 @@ def ensure_tiny(name: str, preset: dict, build: Callable[[Path, dict], None]) ->
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         build(tmp, preset)
-        missing = [p.parent.name for p in tmp.glob("*/config.json") if not any(p.parent.glob("*.safetensors"))]
+        missing = [str(p.parent.relative_to(tmp)) for p in tmp.rglob("config.json")
+                   if not any(p.parent.glob("*.safetensors"))]
         if missing:  # e.g. transformers skips writing on non-zero ranks of a distributed run
             raise RuntimeError(f"building the tiny model wrote no weights for: {', '.join(missing)}")
         (tmp / COMPLETE_MARK).write_text(json.dumps(preset, sort_keys=True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import pickle
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from torchvision.models import efficientnet
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
-from ..device import memory_debug
+from ..device import memory_debug, safe_module_to_device
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
 from .noise_schedules import WuerstchenNoiseSchedule
@@ -76,7 +77,11 @@ class EfficientNetImageEncoder(nn.Module):
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], source: str) -> EfficientNetImageEncoder:
-        """An encoder shaped like `state` (stage widths read from its tensors), loaded strictly."""
+        """An encoder shaped like `state` (stage widths read from its tensors), loaded strictly except for
+        BatchNorm's `num_batches_tracked` counters, which conversions often drop and eval mode never reads."""
+        if any(key.startswith("backbone.8.") for key in state):
+            raise ValueError(f"{source}: an EfficientNetV2-L encoder (it has a backbone.8 stage); the Wuerstchen v2 "
+                             "prior needs the V2-S `effnet_state_dict` of model_v2_stage_b.pt")
         try:
             channels = [state["backbone.0.0.weight"].shape[0]] + [_stage_out_channels(state, i) for i in EFFNET_STAGES]
             last_channel, c_latent = state["backbone.7.0.weight"].shape[0], state["mapper.0.weight"].shape[0]
@@ -85,18 +90,22 @@ class EfficientNetImageEncoder(nn.Module):
             raise ValueError(f"{source}: not a Wuerstchen EfficientNet image encoder (no {missing}; found "
                              f"{sample}, ...)") from None
         encoder = cls(c_latent=c_latent, stage_channels=channels, last_channel=last_channel)
-        problems = _state_problems(encoder.state_dict(), state)
+        expected = {k: v for k, v in encoder.state_dict().items()
+                    if not (k.endswith("num_batches_tracked") and k not in state)}
+        problems = _state_problems(expected, state)
         if problems:
             raise ValueError(f"{source}: weights do not fit the EfficientNetV2-S image encoder: {problems}")
-        encoder.load_state_dict(state, strict=True)
+        encoder.load_state_dict(state, strict=False)
         return encoder
 
 
 def _stage_out_channels(state: dict[str, torch.Tensor], stage: int) -> int:
     """A stage's output width: the size of the BatchNorm that ends its first block."""
     prefix = f"backbone.{stage}.0.block."
-    last = max(int(key[len(prefix):].split(".")[0]) for key in state if key.startswith(prefix))
-    return state[f"{prefix}{last}.1.weight"].shape[0]
+    blocks = [int(key[len(prefix):].split(".")[0]) for key in state if key.startswith(prefix)]
+    if not blocks:
+        raise KeyError(f"{prefix}*")
+    return state[f"{prefix}{max(blocks)}.1.weight"].shape[0]
 
 
 def _state_problems(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str:
@@ -115,7 +124,12 @@ def read_image_encoder_state(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"model.image_encoder_path: file not found: {path}")
     if path.endswith(".safetensors"):
         return load_file(path)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        # mmap: a stage-B checkpoint also holds the decoder and its optimizer; only the encoder is read
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError) as error:
+        raise ValueError(f"model.image_encoder_path {path}: cannot read it as a plain-tensor checkpoint ({error}); "
+                         "extract its `effnet_state_dict` to a .safetensors file") from None
     if isinstance(checkpoint, dict) and "effnet_state_dict" in checkpoint:
         return checkpoint["effnet_state_dict"]
     if isinstance(checkpoint, dict) and "backbone.0.0.weight" in checkpoint:
@@ -176,7 +190,7 @@ class WuerstchenAdapter(ModelAdapter):
             image_encoder = EfficientNetImageEncoder.from_state_dict(state, sources["image_encoder"]).to(dtype)
             decoder = cls._load_decoder(sources["decoder"], dtype) if "decoder" in sources else None
         adapter = cls(*prior_parts, image_encoder=image_encoder, decoder=decoder, sources=sources)
-        adapter._freeze_and_place(device)
+        adapter._freeze_and_place(device, model_cfg.low_vram)
         return adapter
 
     @staticmethod
@@ -216,12 +230,15 @@ class WuerstchenAdapter(ModelAdapter):
             "scheduler": DDPMWuerstchenScheduler.from_pretrained(source, subfolder="scheduler"),
         }
 
-    def _freeze_and_place(self, device: torch.device) -> None:
+    def _freeze_and_place(self, device: torch.device, low_vram: bool) -> None:
+        """Frozen, in eval mode; the decoder stays on the CPU until samples render, and under low_vram the
+        encoders wait there too (the trainer brings them)."""
         for module in (self.prior, self.text_encoder, self.image_encoder, *self.sampling_only_modules()):
             module.requires_grad_(False)
             module.eval()
-        for module in (self.prior, self.text_encoder, self.image_encoder):
-            module.to(device)
+        safe_module_to_device(self.prior, device)
+        for module in (self.text_encoder, self.image_encoder):
+            safe_module_to_device(module, "cpu" if low_vram else device)
 
     @property
     def device(self) -> torch.device:
@@ -270,7 +287,8 @@ class WuerstchenAdapter(ModelAdapter):
         module, source = {"image": (self.image_encoder, self.sources["image_encoder"]),
                           "text": (self.text_encoder, self.sources["prior"])}[part]
         config = module.config.to_json_string() if hasattr(module, "config") else f"effnet_v2_s {module.stage_channels}"
-        facts = f"{source}|{next(module.parameters()).dtype}|{config}|{weights_fingerprint(module)}"
+        # the encoder's BatchNorm statistics set the embeddings' scale: they count as weights here
+        facts = f"{source}|{next(module.parameters()).dtype}|{config}|{weights_fingerprint(module, buffers=True)}"
         return f"{self.arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
 
     # ---- denoiser ------------------------------------------------------------------------------

@@ -41,12 +41,8 @@ TINY_SOURCES: dict[str, Callable[[], Path]] = {"tiny": ensure_tiny_zimage, "tiny
 #: ZImagePipeline's default `max_sequence_length`: prompts are padded (and cut) to this many tokens
 MAX_SEQUENCE_LENGTH = 512
 
-#: LoRA targets: the attention projections, and the feed-forward layers that ai-toolkit adapts as well
+#: LoRA targets by default: the attention projections of every block
 ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
-FEED_FORWARD_TARGETS = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-
-#: text-encoder modules that stay in full precision under `quantize_te`: the token embeddings and the norms
-TEXT_ENCODER_KEEP = ("embed_tokens", "*norm*")
 
 #: the spatial patch size the pipeline runs the transformer with (ZImageTransformer2DModel.forward's default)
 PATCH_SIZE = 2
@@ -119,7 +115,11 @@ class ZImageAdapter(ModelAdapter):
     def load_sampling_transformer(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                                   debug_memory: bool) -> ZImageTransformer2DModel:
         cfg = model_cfg.sampling
-        components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS, "model.single_file_config")
+        # a single-file sampling transformer takes its config from single_file_config, else from the training
+        # model's folder when there is one (offline), else from the hub default
+        training = cls.resolve_source(model_cfg.name_or_path)
+        fallback = training if not is_single_file(training) else DEFAULT_COMPONENTS
+        components = cls.resolve_source(model_cfg.single_file_config or fallback, "model.single_file_config")
         source = cls.resolve_source(cfg.name_or_path, "model.sampling.name_or_path")
         transformer = cls.load_transformer(source, dtype, subfolder=cfg.subfolder, config_source=components)
         if cfg.quantize:
@@ -136,9 +136,11 @@ class ZImageAdapter(ModelAdapter):
                 quantize_blockwise(self.transformer, model_cfg.qtype, self.quantization_blocks(self.transformer),
                                    list(self.QUANTIZATION_EXCLUDE), device)
         if model_cfg.quantize_te:
+            # on the accelerator block by block (fast, one block of peak), then parked if low_vram; quanto leaves
+            # the embeddings and norms alone by itself
             with memory_debug("text encoder quantization", debug_memory):
-                quantize_blockwise(self.text_encoder, model_cfg.qtype_te, list(self.text_encoder.layers),
-                                   list(TEXT_ENCODER_KEEP), None if model_cfg.low_vram else device)
+                quantize_blockwise(self.text_encoder, model_cfg.qtype_te, list(self.text_encoder.layers), None,
+                                   device)
         for module in (self.vae, self.text_encoder):
             module.requires_grad_(False)
             module.eval()
@@ -301,12 +303,8 @@ class ZImageAdapter(ModelAdapter):
 
     def lora_target_modules(self) -> list[str]:
         """The attention projections of every block (refiners included): diffusers' Z-Image LoRA default.
-
-        ai-toolkit adapts every linear layer, and the SwiGLU feed-forward (`feed_forward.w1/w2/w3`) loads in
-        ComfyUI and diffusers too, but toolkit.network.lora.lora_state_dict writes peft's `lora_A/lora_B` for
-        modules diffusers' converter does not know, which toolkit.network.formats.to_comfy then refuses: add
-        FEED_FORWARD_TARGETS here once saving normalises every key.
-        """
+        `network.target_modules` can add the SwiGLU feed-forward (`feed_forward.w1`, `w2`, `w3`), as ai-toolkit
+        does; both file forms save and load them."""
         return list(ATTENTION_TARGETS)
 
     def use_for_training(self, module: torch.nn.Module) -> None:
@@ -340,6 +338,14 @@ class ZImageAdapter(ModelAdapter):
             transformer=self.sampling_transformer if self.sampling_transformer is not None else self.transformer,
         )
 
+    @torch.no_grad()
+    def sampling_conditioning(self, prompt: str, negative: str) -> dict[str, list[torch.Tensor]]:
+        """ZImagePipeline takes the per-prompt caption features this adapter computes (the same tensors its own
+        encode_prompt gives), negative included so that guidance needs no text encoder either."""
+        positive, negative_features = self.caption_features(self.encode_prompts([prompt, negative or ""]),
+                                                            self.compute_dtype)
+        return {"prompt_embeds": [positive], "negative_prompt_embeds": [negative_features]}
+
     def lora_mirrors(self) -> list[torch.nn.Module]:
         """The separate sampling transformer carries the trained LoRA too (shared, never copied)."""
         return [] if self.sampling_transformer is None else [self.sampling_transformer]
@@ -347,7 +353,7 @@ class ZImageAdapter(ModelAdapter):
     def caption_token_span(self, length: int) -> tuple[int, int]:
         """The caption's tokens sit inside the chat template: the template's own tokens stay in place."""
         before, after = self._template_token_counts
-        return before, length - after
+        return before, max(before, length - after)  # a caption cut at max_sequence_length lost its template tail
 
     @cached_property
     def _template_token_counts(self) -> tuple[int, int]:
