@@ -5,6 +5,7 @@
     python run.py --control RUN_FOLDER stop|save|sample     # steer a running job
     python run.py --status RUN_FOLDER                       # running / stopped / finished / failed / crashed
     python run.py --report RUN_FOLDER                       # rebuild RUN_FOLDER/report.html
+    python run.py --convert-lora IN OUT --to comfy|diffusers [--arch ARCH] [--model NAME_OR_PATH]
 """
 
 from __future__ import annotations
@@ -29,10 +30,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ask the run training in RUN_FOLDER to stop (saving a checkpoint), save or sample now")
     parser.add_argument("--status", metavar="RUN_FOLDER", help="print the state of the run in RUN_FOLDER")
     parser.add_argument("--report", metavar="RUN_FOLDER", help="rebuild RUN_FOLDER/report.html from its files")
+    parser.add_argument("--convert-lora", nargs=2, metavar=("IN", "OUT"),
+                        help="rewrite an adapter file in the other form (effective deltas unchanged)")
+    parser.add_argument("--to", choices=["comfy", "diffusers"], help="--convert-lora: the form to write")
+    parser.add_argument("--arch", help="--convert-lora: the model family, when the file's header does not say")
+    parser.add_argument("--model", help="--convert-lora from kohya keys: the model whose module names resolve them "
+                        "(default: the base model in the file's header)")
     args = parser.parse_args(argv)
-    tools = [name for name in ("control", "status", "report") if getattr(args, name) is not None]
+    if args.convert_lora is not None and args.to is None:
+        parser.error("--convert-lora needs --to comfy or --to diffusers")
+    tools = [name for name in ("control", "status", "report", "convert_lora") if getattr(args, name) is not None]
     if len(tools) > 1 or (tools and args.configs):
-        parser.error("give job files, or one of --control / --status / --report")
+        parser.error("give job files, or one of --control / --status / --report / --convert-lora")
     if not tools and not args.configs:
         parser.error("give one or more job files (or --control / --status / --report)")
     return args
@@ -43,6 +52,8 @@ def run_tool(args: argparse.Namespace) -> int:
     from toolkit import control
     from toolkit.report import write_report
 
+    if args.convert_lora is not None:
+        return convert_lora(args)
     if args.control is not None:
         folder, action = Path(args.control[0]), args.control[1]
         try:
@@ -109,12 +120,44 @@ def run_jobs(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def convert_lora(args: argparse.Namespace) -> int:
+    """--convert-lora: the same conversion code as saving; kohya's flattened names are resolved against the
+    model's real module names (the model is loaded for that only)."""
+    from toolkit.config.schema import ModelConfig
+    from toolkit.models import get_adapter_class
+    from toolkit.network.files import convert_file, read_safetensors
+
+    source, target = Path(args.convert_lora[0]), Path(args.convert_lora[1])
+    try:
+        _, header = read_safetensors(source)
+        arch = args.arch or header.get("difftune_arch")
+        if arch is None:
+            raise ValueError(f"{source}: its header does not name the model family; give --arch")
+        family = get_adapter_class(arch)
+        names = None
+        if args.to == "diffusers" and family.comfy_separator == "_":
+            model = args.model or header.get("difftune_base_model")
+            if not model:
+                raise ValueError(f"{source}: kohya names need the model's module names; give --model")
+            import torch
+
+            adapter = family.load(ModelConfig(arch=arch, name_or_path=model), torch.device("cpu"), torch.float32)
+            names = [name for name, _ in adapter.trainable_module().named_modules() if name]
+        count = convert_file(source, target, args.to, family.lora_prefix, family.comfy_prefix, family.comfy_separator,
+                             names)
+    except (ValueError, FileNotFoundError) as err:
+        log.error("%s", err)
+        return 2
+    log.info("wrote %s (%s form, %d modules)", target, args.to, count)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: library bars (diffusers, accelerate) go quiet too
-    if args.control or args.status or args.report:
+    if args.control or args.status or args.report or args.convert_lora:
         return run_tool(args)
     return run_jobs(args)
 

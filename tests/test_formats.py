@@ -43,7 +43,7 @@ def test_comfy_file_has_kohya_keys_alphas_and_metadata(run_dir):
 def test_diffusers_comfy_diffusers_round_trip_is_exact(run_dir):
     original = load_file(str(run_dir / "fmt.safetensors"))
     modules = sorted({k.rsplit(".lora.", 1)[0] for k in original})
-    back, alphas = from_comfy(to_comfy(original, PREFIXES, alpha=8.0), PREFIXES, modules)
+    back, alphas = from_comfy(to_comfy(original, PREFIXES, lambda module: 8.0), PREFIXES, modules)
     assert back.keys() == original.keys()
     assert all(torch.equal(back[k], original[k]) for k in original)
     assert set(alphas.values()) == {8.0} and len(alphas) == len(modules)
@@ -61,3 +61,24 @@ def test_diffusers_loads_both_files_to_the_same_output(run_dir, tiny_sd15):
     base, ours, comfy = render(None), render("fmt.safetensors"), render("fmt.comfy.safetensors")
     assert abs(ours - base).max() > 1e-3
     assert abs(ours - comfy).max() < 1e-4
+
+
+def test_diffusers_loads_both_files_of_a_conv_lora_alike(tmp_path, registry, tiny_sd15):
+    """LoRA on the resnet and resampling convs too (LoCon): the ComfyUI/kohya file loads in diffusers to the
+    same output as the diffusers file."""
+    process = trainer_process(tmp_path, network={"linear": 4, "linear_alpha": 8, "conv": 2, "conv_alpha": 1},
+                              save={"dtype": "float32", "formats": ["diffusers", "comfy"]}, train={"steps": 6, "lr": 5e-3})
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "loc", process)), registry)
+    get_job(config, path, registry).run()
+    folder = tmp_path / "output" / "loc"
+    with safe_open(str(folder / "loc.comfy.safetensors"), "pt") as handle:
+        assert "lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight" in handle.keys()
+
+    def render(weight_name):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15, safety_checker=None, requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.load_lora_weights(str(folder), weight_name=weight_name)
+        return pipe("shp, a red circle", num_inference_steps=2, width=64, height=64, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    assert abs(render("loc.safetensors") - render("loc.comfy.safetensors")).max() < 1e-4

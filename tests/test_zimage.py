@@ -300,7 +300,8 @@ def assistant_files(tmp_path_factory, tiny_zimage):
             param.data.normal_(0, 0.3)
     state = lora_state_dict(wearer.transformer, "transformer", torch.float32)
     write_lora_file(folder / "assistant.safetensors", state, {}, wearer.transformer, "transformer")
-    save_file(to_comfy(state, {"transformer": "diffusion_model"}, 8.0, "."), str(folder / "assistant_comfy.safetensors"))
+    save_file(to_comfy(state, {"transformer": "diffusion_model"}, lambda module: 8.0, "."),
+              str(folder / "assistant_comfy.safetensors"))
     return folder, wearer
 
 

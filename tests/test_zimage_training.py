@@ -261,7 +261,8 @@ def test_resume_with_a_shared_sampling_lora_is_exact(tmp_path, registry):
     assert all(torch.equal(split[k], whole[k]) for k in whole)
 
 
-def test_moving_the_sampling_transformer_leaves_the_trained_lora_in_place(tiny_cache):
+@pytest.mark.parametrize("kind", ["lora", "lokr"])
+def test_moving_the_sampling_transformer_leaves_the_trained_lora_in_place(tiny_cache, kind):
     """The mirror shares the trained LoRA's modules; while it moves (here to `meta`, where a moved tensor would
     lose its data) they are detached, so the trained LoRA stays put. Without detaching it would move along."""
     from toolkit.config.schema import ModelConfig, NetworkConfig
@@ -271,20 +272,24 @@ def test_moving_the_sampling_transformer_leaves_the_trained_lora_in_place(tiny_c
     adapter = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny",
                                              sampling={"name_or_path": "tiny-turbo"}), torch.device("cpu"),
                                  torch.float32)
-    network = NetworkConfig(linear=4, linear_alpha=4)
+    network = NetworkConfig(type=kind, linear=4, linear_alpha=4)
+    adapted = (".lora_", ".lokr_")
     trained = add_lora(adapter.transformer, network, adapter.lora_target_modules())
-    mirror = mirror_lora(adapter.transformer, adapter.sampling_transformer, network, adapter.lora_target_modules())
+    mirror = mirror_lora(adapter.transformer, adapter.sampling_transformer)
+
     def trained_lora_devices() -> set[str]:
-        return {p.device.type for name, p in adapter.transformer.named_parameters() if ".lora_" in name}
+        return {p.device.type for name, p in adapter.transformer.named_parameters() if any(a in name for a in adapted)}
 
     with mirror.detached():
         safe_module_to_device(adapter.sampling_transformer, "meta")
     assert trained_lora_devices() == {"cpu"}
-    assert [id(p) for p in trained] == [id(p) for n, p in adapter.transformer.named_parameters() if ".lora_" in n]
+    assert [id(p) for p in trained] == [id(p) for n, p in adapter.transformer.named_parameters()
+                                        if any(a in n for a in adapted)]
     assert all(mine is theirs for mine, theirs in mirror.shared_parameters())  # attached again
     assert next(adapter.sampling_transformer.parameters()).device.type == "meta"
-    adapter.sampling_transformer.to("meta")  # the same move without detaching takes the trained LoRA along
-    assert trained_lora_devices() == {"meta"}
+    if kind == "lora":  # the same move without detaching takes the shared LoRA modules along
+        adapter.sampling_transformer.to("meta")
+        assert trained_lora_devices() == {"meta"}
 
 
 def test_precomputed_sampling_conditioning_renders_the_same_image(tiny_cache):

@@ -25,7 +25,8 @@ from toolkit.control import RunMonitor, write_json_atomic
 from toolkit.device import DTYPES, flush, memory_debug, memory_fields, modules_on, safe_module_to_device, torch_dtype
 from toolkit.metrics import MetricsWriter, TimestepStats, progress_bars_wanted, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
-from toolkit.network.formats import kohya_metadata, to_comfy
+from toolkit.network.files import load_pretrained, write_comfy_file
+from toolkit.paths import normalize_path
 from toolkit.report import PLAN_FILE, write_report
 from toolkit.network.lora import (
     add_lora,
@@ -99,11 +100,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
         set_seed(self.config.train.seed, device_specific=True)
         self.offloaded: list[torch.nn.Module] = []
         self.adapter = self.load_model()
-        self.lora_params = add_lora(
-            self.adapter.trainable_module(), self.config.network, self.adapter.lora_target_modules()
-        )
-        self.mirrors = [mirror_lora(self.adapter.trainable_module(), mirror, self.config.network,
-                                    self.adapter.lora_target_modules()) for mirror in self.adapter.lora_mirrors()]
+        self.lora_params = self.add_network()
+        self.mirrors = [mirror_lora(self.adapter.trainable_module(), mirror) for mirror in self.adapter.lora_mirrors()]
         self.dataset = build_dataset(self.config.datasets, self.config.trigger_word, self.adapter.divisor)
         self.warn_overlong_captions()
         self.check_timestep_options()
@@ -147,6 +145,18 @@ class BaseSDTrainProcess(BaseTrainProcess):
             adapter.trainable_module().enable_gradient_checkpointing()
         log.info("model: %s", adapter.describe())
         return adapter
+
+    def add_network(self) -> list[torch.nn.Parameter]:
+        """The adapter on the trainable module (from `pretrained_lora_path` when given); its parameters."""
+        network, adapter, module = self.config.network, self.adapter, self.adapter.trainable_module()
+        if network.conv is not None and not adapter.conv_target_modules():
+            raise ValueError(f"network.conv: the {adapter.arch} family has no conv layers to adapt")
+        params = add_lora(module, network, adapter.lora_target_modules(), adapter.conv_target_modules())
+        if network.pretrained_lora_path:
+            path = Path(normalize_path(network.pretrained_lora_path, "network.pretrained_lora_path"))
+            with memory_debug("LoRA load", self.config.logging.debug_memory):
+                load_pretrained(module, path, adapter.lora_prefix, adapter.comfy_prefix, adapter.comfy_separator)
+        return params
 
     def warn_overlong_captions(self) -> None:
         records = list({item.record.path: item.record for item in self.dataset.items}.values())
@@ -549,18 +559,19 @@ class BaseSDTrainProcess(BaseTrainProcess):
 
     def write_final_loras(self) -> None:
         """The finished LoRA in every format `save.formats` asks for."""
-        dtype, formats = DTYPES[self.config.save.dtype], self.config.save.formats
+        dtype = DTYPES[self.config.save.dtype]
+        formats = self.config.save.formats or self.adapter.default_save_formats
+        if self.config.network.use_dora and not self.config.save.formats:
+            formats = [f for f in formats if f != "comfy"]  # no ComfyUI form of DoRA yet
         if "diffusers" in formats:
             self.write_lora(self.final_lora_path, dtype)
             log.info("saved LoRA %s", self.final_lora_path)
         if "comfy" in formats:
             path = self.final_lora_path.with_suffix(".comfy.safetensors")
-            network, adapter = self.config.network, self.adapter
-            state = to_comfy(self.lora_state(dtype), {adapter.lora_prefix: adapter.comfy_prefix}, network.linear_alpha,
-                             adapter.comfy_separator)
-            meta = {**self.lora_metadata(), **kohya_metadata(network.linear, network.linear_alpha,
-                                                             adapter.kohya_base_model)}
-            write_safetensors(path, state, meta)
+            adapter = self.adapter
+            write_comfy_file(path, adapter.trainable_module(), adapter.lora_prefix, adapter.comfy_prefix,
+                             adapter.comfy_separator, dtype, self.lora_metadata(), self.config.network.type,
+                             adapter.kohya_base_model)
             log.info("saved LoRA %s (ComfyUI/kohya keys)", path)
 
     def write_lora(self, path: Path, dtype: torch.dtype) -> None:

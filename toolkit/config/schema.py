@@ -109,22 +109,52 @@ class ModelConfig(Section):
 
 
 class NetworkConfig(Section):
-    """The trained adapter."""
+    """The trained adapter (peft's LoRA, LoKr or LoHa)."""
 
-    type: Literal["lora"] = Field("lora", description="Adapter type.", json_schema_extra=aka("network_type"))
-    linear: int = Field(16, ge=1, description="LoRA rank of linear layers.",
+    type: Literal["lora", "lokr", "loha"] = Field(
+        "lora", description="Adapter type: lora, lokr (Kronecker product) or loha (Hadamard product), as peft "
+        "builds them.", json_schema_extra=aka("network_type", "network_module"))
+    linear: int = Field(16, ge=1, description="Rank of linear layers (and of any target_modules).",
                         json_schema_extra=aka("rank", "network_dim", "r"))
-    linear_alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.",
-                                json_schema_extra=aka("alpha", "network_alpha", "lora_alpha"))
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input (peft's lora_dropout).",
+    linear_alpha: float = Field(16.0, gt=0, description="Alpha of linear layers; the update is scaled by "
+                                "alpha / rank.", json_schema_extra=aka("alpha", "network_alpha", "lora_alpha"))
+    conv: int | None = Field(None, ge=1, description="Rank of the convolution layers the family adapts (SD's "
+                             "resnet and resampling convs, LoCon style); unset: no conv layers.",
+                             json_schema_extra=aka("conv_dim", "conv_rank"))
+    conv_alpha: float | None = Field(None, gt=0, description="Alpha of the conv layers; default `conv`.")
+    use_dora: bool = Field(False, description="lora only: weight-decomposed LoRA (DoRA, peft's use_dora). Saved in "
+                           "the diffusers file only (no ComfyUI form yet).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora: dropout on the LoRA input (peft's lora_dropout).",
                            json_schema_extra=aka("lora_dropout", "network_dropout"))
     target_modules: list[str] | None = Field(
-        None, description="Module names to adapt; default: the model family's attention projections."
+        None, description="Module names (or name endings) to adapt; default: the family's attention projections."
     )
+    only_if_contains: list[str] | None = Field(
+        None, description="Adapt only modules whose full name contains one of these strings (e.g. `up_blocks`).")
+    ignore_if_contains: list[str] | None = Field(
+        None, description="Never adapt modules whose full name contains one of these strings.")
     rank_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: zero each rank channel of each "
                                 "sample with this probability (the rest rescaled to keep the mean).")
-    module_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: skip a whole LoRA module for a "
+    module_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: skip a whole adapter module for a "
                                   "forward pass with this probability.")
+    pretrained_lora_path: str | None = Field(
+        None, description="Start from this adapter file (difftune/diffusers or ComfyUI/kohya keys, of the same "
+        "type and ranks); its alphas are honoured, so the model starts with exactly the file's weight deltas.",
+        json_schema_extra=aka("network_weights", "resume_lora"))
+
+    @model_validator(mode="after")
+    def _options_of_the_type(self) -> NetworkConfig:
+        problems = []
+        if self.use_dora and self.type != "lora":
+            problems.append("`use_dora` applies to type lora only")
+        if self.dropout and self.type != "lora":
+            problems.append("`dropout` (lora_dropout) applies to type lora; lokr and loha take rank_dropout and "
+                            "module_dropout")
+        if self.conv_alpha is not None and self.conv is None:
+            problems.append("`conv_alpha` needs `conv` (the conv rank)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class SaveConfig(Section):
@@ -134,10 +164,11 @@ class SaveConfig(Section):
                          json_schema_extra=aka("save_precision"))
     save_every: int = Field(250, ge=0, description="Save a checkpoint every N steps (optimizer updates); "
                             "0 saves only at the end.", json_schema_extra=aka("save_every_n_steps"))
-    formats: list[Literal["diffusers", "comfy"]] = Field(
-        ["diffusers", "comfy"], min_length=1,
+    formats: list[Literal["diffusers", "comfy"]] | None = Field(
+        None, min_length=1,
         description="Final LoRA files: `diffusers` (<name>.safetensors, diffusers/peft keys) and `comfy` "
-        "(<name>.comfy.safetensors, ComfyUI/kohya keys with alphas, for ComfyUI and A1111/Forge).")
+        "(<name>.comfy.safetensors, ComfyUI/kohya keys with alphas, for ComfyUI and A1111/Forge). Default: both "
+        "where the family has a ComfyUI form (sd15, zimage), else diffusers.")
     max_step_saves_to_keep: int = Field(4, ge=1, description="Complete step checkpoints kept; older ones are "
                                         "pruned after a newer one is complete.",
                                         json_schema_extra=aka("save_last_n_steps", "checkpoints_total_limit"))
@@ -404,6 +435,12 @@ class SDTrainerConfig(Section):
     save: SaveConfig = Field(SaveConfig(), description="See below.")
     sample: SampleConfig = Field(SampleConfig(), description="See below.")
     logging: LoggingConfig = Field(LoggingConfig(), description="See below.")
+
+    @model_validator(mode="after")
+    def _dora_has_no_comfy_form(self) -> SDTrainerConfig:
+        if self.network.use_dora and self.save.formats and "comfy" in self.save.formats:
+            raise ValueError("save.formats: `comfy` has no DoRA form yet (network.use_dora); save diffusers only")
+        return self
 
     @model_validator(mode="after")
     def _token_dropout_needs_captions(self) -> SDTrainerConfig:

@@ -73,6 +73,8 @@ class ModelAdapter(ABC):
     comfy_separator: ClassVar[str] = "_"
     kohya_base_model: ClassVar[str]
 
+    #: `save.formats` when the config leaves it unset: both where the family has a ComfyUI form
+    default_save_formats: ClassVar[tuple[str, ...]] = ("diffusers", "comfy")
     #: `sample.guidance_scale` when the config leaves it unset
     default_guidance_scale: ClassVar[float] = 7.0
 
@@ -119,7 +121,12 @@ class ModelAdapter(ABC):
         """The module the adapter (LoRA) is added to."""
 
     @abstractmethod
-    def lora_target_modules(self) -> list[str]: ...
+    def lora_target_modules(self) -> list[str]:
+        """Default linear targets (module names or name endings) of the adapter."""
+
+    def conv_target_modules(self) -> list[str]:
+        """Conv layers adapted when `network.conv` is set (LoCon style); none by default."""
+        return []
 
     @abstractmethod
     def use_for_training(self, module: torch.nn.Module) -> None:

@@ -145,6 +145,10 @@ class SD15Adapter(ModelAdapter):
     def lora_target_modules(self) -> list[str]:
         return ["to_q", "to_k", "to_v", "to_out.0"]
 
+    def conv_target_modules(self) -> list[str]:
+        # the resnets' 3x3 convs, their 1x1 shortcuts and the resampling convs: kohya's LoCon set
+        return ["conv1", "conv2", "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv"]
+
     def use_for_training(self, module: torch.nn.Module) -> None:
         self._denoiser = module
 

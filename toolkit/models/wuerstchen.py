@@ -163,6 +163,7 @@ class WuerstchenAdapter(ModelAdapter):
     comfy_prefix = "lora_prior_unet"
     kohya_base_model = "wuerstchen_v2"
     default_guidance_scale = 4.0  # WuerstchenPriorPipeline's default
+    default_save_formats = ("diffusers",)  # ComfyUI has no Wuerstchen v2 loader; `comfy` still writes kohya keys
     #: EfficientNetV2-S reduces the image 32x; the prior is fully convolutional at that size
     divisor = 32
 

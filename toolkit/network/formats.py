@@ -1,18 +1,27 @@
-"""LoRA file formats: diffusers keys <-> ComfyUI/kohya keys.
+"""Adapter file formats: difftune/diffusers keys <-> ComfyUI/kohya keys.
 
-diffusers: `unet.<module path>.lora.down.weight` / `.lora.up.weight`, alpha in the header metadata.
-ComfyUI/kohya: `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` and a scalar
-`.alpha` per module, which A1111/Forge and ComfyUI read. Module paths are the diffusers ones in both
-(kohya names SD 1.x modules by the diffusers UNet's paths), so converting is a rename plus the alphas.
-Families whose ComfyUI loader keeps dotted diffusers paths (Z-Image: `diffusion_model.layers.0.attention.to_q`
-.lora_down.weight) use the separator ".".
+diffusers (LoRA): `unet.<module path>.lora.down.weight` / `.lora.up.weight`, alphas in the header metadata
+(peft's config). LoKr and LoHa keep peft's (= LyCORIS's) weight names: `.lokr_w1`, `.lokr_w2_a`, `.hada_w1_a`...
+ComfyUI/kohya: `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.weight` (or the LyCORIS names)
+and a scalar `.alpha` per module, which A1111/Forge and ComfyUI read. Module paths are the diffusers ones in
+both (kohya names SD 1.x modules by the diffusers UNet's paths), so converting is a rename plus the alphas.
+Families whose ComfyUI loader keeps dotted diffusers paths (Z-Image: `diffusion_model.layers.0.attention.to_q
+.lora_down.weight`) use the separator ".".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-DIFFUSERS_SUFFIX = {"lora.down.weight": "lora_down.weight", "lora.up.weight": "lora_up.weight"}
+#: diffusers' LoRA weight names -> kohya's
+LORA_SUFFIX = {"lora.down.weight": "lora_down.weight", "lora.up.weight": "lora_up.weight"}
+#: LyCORIS weight names, the same in both forms
+LYCORIS_SUFFIXES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2",
+                    "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
+TO_COMFY = {**LORA_SUFFIX, **{name: name for name in LYCORIS_SUFFIXES}}
+FROM_COMFY = {comfy: ours for ours, comfy in TO_COMFY.items()}
 
 
 def comfy_module_name(prefix: str, module: str, separator: str) -> str:
@@ -20,53 +29,64 @@ def comfy_module_name(prefix: str, module: str, separator: str) -> str:
     return f"{prefix}{separator}{module.replace('.', '_') if separator == '_' else module}"
 
 
-def to_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], alpha: float,
-             separator: str = "_") -> dict[str, torch.Tensor]:
-    """diffusers-keyed LoRA weights -> ComfyUI/kohya keys with one `.alpha` per module.
+def split_weight_key(key: str, suffixes) -> tuple[str, str]:
+    """(module path, weight name) of an adapter key."""
+    for suffix in sorted(suffixes, key=len, reverse=True):
+        if key.endswith("." + suffix):
+            return key[: -len(suffix) - 1], suffix
+    if key.endswith((".lora_magnitude_vector", ".lora_magnitude_vector.weight")):
+        raise ValueError(f"{key}: DoRA magnitudes have no ComfyUI form here yet; save.formats: [diffusers]")
+    raise ValueError(f"not an adapter weight key: {key}")
 
-    `prefixes` maps a diffusers component prefix (`unet`) to its ComfyUI prefix (`lora_unet`); `separator`
-    joins prefix and module path ("_" flattens the path as kohya does, "." keeps it).
+
+def to_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], alpha_of: Callable[[str], float],
+             separator: str = "_") -> dict[str, torch.Tensor]:
+    """difftune/diffusers-keyed adapter weights -> ComfyUI/kohya keys with one `.alpha` per module.
+
+    `prefixes` maps a component prefix (`unet`) to its ComfyUI prefix (`lora_unet`); `alpha_of(module path)`
+    gives each module's alpha (path without the component prefix); `separator` joins prefix and path ("_"
+    flattens the path as kohya does, "." keeps it).
     """
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         component, rest = key.split(".", 1)
-        module, suffix = _split_suffix(rest, DIFFUSERS_SUFFIX)
+        module, suffix = split_weight_key(rest, TO_COMFY)
         name = comfy_module_name(prefixes[component], module, separator)
-        out[f"{name}.{DIFFUSERS_SUFFIX[suffix]}"] = value
-        out.setdefault(f"{name}.alpha", torch.tensor(float(alpha), dtype=value.dtype))
+        out[f"{name}.{TO_COMFY[suffix]}"] = value
+        out.setdefault(f"{name}.alpha", torch.tensor(float(alpha_of(module)), dtype=value.dtype))
     return out
 
 
 def from_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], module_names: list[str],
                separator: str = "_") -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """kohya keys -> diffusers keys, plus each module's alpha. `module_names` are the diffusers module
-    paths (`unet.down_blocks.0...to_q`): underscores in kohya names are ambiguous, so names are matched
-    against the real modules rather than guessed."""
-    by_kohya = {}
+    """ComfyUI/kohya keys -> difftune/diffusers keys, plus each module's alpha (by full diffusers module path).
+    `module_names` are the model's module paths (`unet.down_blocks.0...to_q`): underscores in kohya names are
+    ambiguous, so names are matched against the real modules rather than guessed."""
+    by_comfy = {}
     for full in module_names:
         component, module = full.split(".", 1)
-        by_kohya[comfy_module_name(prefixes[component], module, separator)] = full
-    reverse = {v: k for k, v in DIFFUSERS_SUFFIX.items()}
+        by_comfy[comfy_module_name(prefixes[component], module, separator)] = full
     weights, alphas = {}, {}
     for key, value in state.items():
-        name, suffix = _split_suffix(key, [*reverse, "alpha"])
-        if name not in by_kohya:
-            raise ValueError(f"LoRA key {key} matches no module of this model")
+        name, suffix = split_weight_key(key, [*FROM_COMFY, "alpha"])
+        if name not in by_comfy:
+            raise ValueError(f"adapter key {key} matches no module of this model")
         if suffix == "alpha":
-            alphas[by_kohya[name]] = float(value)
+            alphas[by_comfy[name]] = float(value)
         else:
-            weights[f"{by_kohya[name]}.{reverse[suffix]}"] = value
+            weights[f"{by_comfy[name]}.{FROM_COMFY[suffix]}"] = value
     return weights, alphas
 
 
-def _split_suffix(key: str, suffixes) -> tuple[str, str]:
-    for suffix in suffixes:
-        if key.endswith("." + suffix):
-            return key[: -len(suffix) - 1], suffix
-    raise ValueError(f"not a LoRA weight key: {key}")
+def is_comfy_form(state: dict[str, torch.Tensor], comfy_prefix: str, separator: str) -> bool:
+    return any(key.startswith(comfy_prefix + separator) for key in state)
 
 
-def kohya_metadata(rank: int, alpha: float, base_model_version: str) -> dict[str, str]:
+def kohya_metadata(rank: int, alpha: float, base_model_version: str, network_type: str = "lora") -> dict[str, str]:
     """The header keys tools that read kohya metadata look for."""
-    return {"ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
-            "ss_base_model_version": base_model_version, "ss_network_module": "networks.lora"}
+    module = "networks.lora" if network_type == "lora" else "lycoris.kohya"
+    meta = {"ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
+            "ss_base_model_version": base_model_version, "ss_network_module": module}
+    if network_type != "lora":
+        meta["ss_network_args"] = f'{{"algo": "{network_type}"}}'
+    return meta

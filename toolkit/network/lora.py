@@ -1,55 +1,125 @@
-"""LoRA through peft on the model's trainable module, and LoRA files in diffusers' format."""
+"""Adapters (peft's LoRA, LoKr, LoHa) on the model's trainable module, and their files in diffusers' format."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
-from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
+from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
 from ..config.schema import NetworkConfig
 
-#: peft adapter name of a merged assistant LoRA while it is being merged
+#: peft adapter name of the trained adapter, and of a merged assistant LoRA while it is being merged
+ADAPTER = "default"
 ASSISTANT_ADAPTER = "assistant"
 
 
-def build_lora_config(cfg: NetworkConfig, default_targets: list[str]) -> LoraConfig:
-    return LoraConfig(
-        r=cfg.linear,
-        lora_alpha=cfg.linear_alpha,
-        lora_dropout=cfg.dropout,
-        init_lora_weights="gaussian",
-        target_modules=cfg.target_modules or default_targets,
-    )
+def name_matches(name: str, suffixes: list[str]) -> bool:
+    """peft's rule: a module is a target when its full name is, or ends with `.` + , one of the names."""
+    return any(name == suffix or name.endswith("." + suffix) for suffix in suffixes)
 
 
-def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[str]) -> list[torch.nn.Parameter]:
-    """Add a LoRA adapter (diffusers' peft integration) and return its parameters, kept in float32."""
-    module.add_adapter(build_lora_config(cfg, default_targets))
-    if cfg.rank_dropout or cfg.module_dropout:
+def select_targets(module: torch.nn.Module, cfg: NetworkConfig, linear_defaults: list[str],
+                   conv_defaults: list[str]) -> tuple[list[str], list[str]]:
+    """Full names of the modules the adapter goes on: (at the linear rank, at the conv rank). `target_modules`
+    (else the family's linear defaults) at the linear rank; the family's conv layers at `conv` when it is set;
+    then the only_if_contains / ignore_if_contains filters on the full names."""
+    linear_names, conv_names = [], []
+    for name, sub in module.named_modules():
+        if cfg.only_if_contains and not any(text in name for text in cfg.only_if_contains):
+            continue
+        if cfg.ignore_if_contains and any(text in name for text in cfg.ignore_if_contains):
+            continue
+        if cfg.conv is not None and isinstance(sub, torch.nn.Conv2d) and name_matches(name, conv_defaults):
+            conv_names.append(name)
+        elif isinstance(sub, (torch.nn.Linear, torch.nn.Conv2d)) and name_matches(name, cfg.target_modules
+                                                                                  or linear_defaults):
+            linear_names.append(name)
+    if not linear_names and not conv_names:
+        raise ValueError("network: no module matches the targets and filters (target_modules, only_if_contains, "
+                         "ignore_if_contains)")
+    return linear_names, conv_names
+
+
+def build_network_config(cfg: NetworkConfig, linear_names: list[str], conv_names: list[str]) -> PeftConfig:
+    """peft's config for `network.type`, on exactly these modules; conv layers get their own rank and alpha."""
+    conv_alpha = cfg.conv_alpha if cfg.conv_alpha is not None else cfg.conv
+    patterns = {"rank_pattern": {re.escape(n): cfg.conv for n in conv_names},
+                "alpha_pattern": {re.escape(n): conv_alpha for n in conv_names}}
+    targets = linear_names + conv_names
+    if cfg.type == "lora":
+        return LoraConfig(r=cfg.linear, lora_alpha=cfg.linear_alpha, lora_dropout=cfg.dropout, use_dora=cfg.use_dora,
+                          init_lora_weights="gaussian", target_modules=targets, **patterns)
+    config_class = {"lokr": LoKrConfig, "loha": LoHaConfig}[cfg.type]
+    # peft's LyCORIS layers drop ranks and whole modules themselves (training mode only)
+    return config_class(r=cfg.linear, alpha=cfg.linear_alpha, rank_dropout=cfg.rank_dropout,
+                        module_dropout=cfg.module_dropout, target_modules=targets, **patterns)
+
+
+def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[str],
+             conv_targets: list[str] | None = None) -> list[torch.nn.Parameter]:
+    """Add the adapter `cfg` describes (diffusers' peft integration) and return its parameters, in float32."""
+    linear_names, conv_names = select_targets(module, cfg, default_targets, conv_targets or [])
+    module.add_adapter(build_network_config(cfg, linear_names, conv_names))
+    if cfg.type == "lora" and (cfg.rank_dropout or cfg.module_dropout):
         add_lora_dropouts(module, cfg.rank_dropout, cfg.module_dropout)
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("the LoRA adapter has no trainable parameters (check network.target_modules)")
+        raise ValueError("the adapter has no trainable parameters (check network.target_modules)")
     for param in params:
         param.data = param.data.float()
     return params
 
 
+def adapter_layers(module: torch.nn.Module) -> dict[str, BaseTunerLayer]:
+    """The adapter's layers by full module name."""
+    return {name: layer for name, layer in module.named_modules()
+            if isinstance(layer, BaseTunerLayer) and ADAPTER in getattr(layer, "r", {})}
+
+
+def module_alphas(module: torch.nn.Module) -> dict[str, float]:
+    """Each adapted module's alpha (LoRA's lora_alpha, LyCORIS's alpha), by full module name."""
+    return {name: float((layer.lora_alpha if hasattr(layer, "lora_alpha") else layer.alpha)[ADAPTER])
+            for name, layer in adapter_layers(module).items()}
+
+
+def module_scales(module: torch.nn.Module) -> dict[str, float]:
+    """The factor peft applies to each adapted module's product (alpha / rank), by full module name."""
+    return {name: float(layer.scaling[ADAPTER]) for name, layer in adapter_layers(module).items()}
+
+
+def effective_deltas(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the adapter adds to each adapted weight (scale included), by module name: the quantity every file
+    form must preserve."""
+    with torch.no_grad():
+        return {name: layer.get_delta_weight(ADAPTER).detach().float().cpu()
+                for name, layer in adapter_layers(module).items()}
+
+
 def lora_state_dict(module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The adapter's weights with diffusers' keys (`<prefix>.<module>.lora.down.weight`), on the CPU."""
-    state = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
-    # diffusers' converter renames only modules it knows (e.g. not Z-Image's feed_forward.w1): finish the job, so
-    # every key has one form; its loaders map `.lora.down` / `.lora.up` back to peft either way
-    return {f"{prefix}.{key.replace('.lora_A.', '.lora.down.').replace('.lora_B.', '.lora.up.')}":
-            value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
+    """The adapter's weights under `prefix`, on the CPU: LoRA in diffusers' form (`.lora.down.weight`), LoKr and
+    LoHa with peft's (LyCORIS's) names (`.lokr_w1`, `.hada_w1_a`, ...), which diffusers has no other form for."""
+    state = get_peft_model_state_dict(module)
+    if is_lora(module):
+        state = convert_state_dict_to_diffusers(state)
+        # diffusers' converter renames only modules it knows (e.g. not Z-Image's feed_forward.w1): finish the job,
+        # so every key has one form; its loaders map `.lora.down` / `.lora.up` back to peft either way
+        state = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+                 for key, value in state.items()}
+    return {f"{prefix}.{key}": value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    return module.peft_config[ADAPTER].peft_type.value == "LORA"
 
 
 def adapter_metadata(module: torch.nn.Module, prefix: str) -> str:
@@ -83,53 +153,64 @@ def merge_lora_state(module: torch.nn.Module, state: dict[str, torch.Tensor], pr
 
 
 class LoraMirror:
-    """The trained LoRA carried by a second model of the same structure (e.g. a separate sampling
-    transformer): its LoRA layers hold the very modules of the trained model, so they share parameters and can
+    """The trained adapter carried by a second model of the same structure (e.g. a separate sampling
+    transformer): its adapter layers hold the very modules and parameters of the trained model, so they can
     never go stale. `detached()` takes them out while the mirror moves between devices, so that moving it
-    leaves the trained LoRA where it is."""
+    leaves the trained adapter where it is."""
 
-    PARTS = ("lora_A", "lora_B", "lora_dropout")
-
-    def __init__(self, mirror: torch.nn.Module, layers: list[tuple[torch.nn.Module, torch.nn.Module]]):
+    def __init__(self, mirror: torch.nn.Module, layers: list[tuple[BaseTunerLayer, BaseTunerLayer]]):
         self.mirror = mirror
         self.layers = layers  # (mirror layer, trained layer)
 
+    @staticmethod
+    def parts(layer: BaseTunerLayer) -> list[str]:
+        """The layer's per-adapter containers (LoRA's lora_A/lora_B/dropout/DoRA magnitude, LyCORIS's weights)."""
+        names = dict.fromkeys([*layer.adapter_layer_names, "lora_dropout"])
+        return [n for n in names if ADAPTER in getattr(layer, n, {})]
+
     def shared_parameters(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        """(mirror's, trained) LoRA parameter pairs, for checks."""
-        return [(mine, theirs) for layer, source in self.layers for part in ("lora_A", "lora_B")
-                for mine, theirs in zip(getattr(layer, part).parameters(), getattr(source, part).parameters())]
+        """(mirror's, trained) adapter parameter pairs, for checks."""
+        pairs = []
+        for layer, source in self.layers:
+            for part in self.parts(source):
+                mine, theirs = getattr(layer, part)[ADAPTER], getattr(source, part)[ADAPTER]
+                if isinstance(theirs, torch.nn.Parameter):
+                    pairs.append((mine, theirs))
+                else:
+                    pairs += list(zip(mine.parameters(), theirs.parameters()))
+        return pairs
 
     @contextmanager
     def detached(self):
-        for layer, _ in self.layers:
-            for part in self.PARTS:
-                del getattr(layer, part)["default"]
+        held = [(layer, part) for layer, source in self.layers for part in self.parts(source)]
+        for layer, part in held:
+            del getattr(layer, part)[ADAPTER]
         try:
             yield
         finally:
-            for layer, source in self.layers:
-                for part in self.PARTS:
-                    getattr(layer, part)["default"] = getattr(source, part)["default"]
+            self.attach()
+
+    def attach(self) -> None:
+        for layer, source in self.layers:
+            for part in self.parts(source):
+                getattr(layer, part)[ADAPTER] = getattr(source, part)[ADAPTER]
 
 
-def mirror_lora(trained: torch.nn.Module, mirror: torch.nn.Module, cfg: NetworkConfig,
-                default_targets: list[str]) -> LoraMirror:
-    """Give `mirror` the LoRA of `trained` (after `add_lora` on it) by sharing its LoRA modules."""
-    mirror.add_adapter(build_lora_config(cfg, default_targets))
-    sources = {name: module for name, module in trained.named_modules() if isinstance(module, LoraLayer)}
-    layers = []
-    for name, layer in mirror.named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
-        if name not in sources:
-            raise ValueError(f"the LoRA layer {name} of the mirrored model has no counterpart in the trained model")
-        layers.append((layer, sources[name]))
-    if len(layers) != len(sources):
-        raise ValueError(f"the mirrored model has {len(layers)} LoRA layers, the trained model {len(sources)}")
-    for layer, source in layers:
-        for part in LoraMirror.PARTS:
-            getattr(layer, part)["default"] = getattr(source, part)["default"]
-    return LoraMirror(mirror, layers)
+def mirror_lora(trained: torch.nn.Module, mirror: torch.nn.Module) -> LoraMirror:
+    """Give `mirror` the adapter of `trained` (after `add_lora` on it) by sharing its adapter layers' modules
+    and parameters. The mirror's own layer wrappers stay in eval mode (sampling); the shared parts follow the
+    trained model's mode."""
+    mirror.add_adapter(copy.deepcopy(trained.peft_config[ADAPTER]))
+    sources, layers = adapter_layers(trained), adapter_layers(mirror)
+    if sorted(layers) != sorted(sources):
+        missing = sorted(set(sources) ^ set(layers))[:3]
+        raise ValueError(f"the mirrored model's adapter layers differ from the trained model's (e.g. {missing})")
+    mirror_layers = [(layer, sources[name]) for name, layer in layers.items()]
+    for layer, _ in mirror_layers:
+        layer.train(False)  # before sharing: afterwards this would reach the trained parts too
+    shared = LoraMirror(mirror, mirror_layers)
+    shared.attach()
+    return shared
 
 
 def compare_lora_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
@@ -150,13 +231,20 @@ def compare_lora_state(expected: dict[str, torch.Tensor], found: dict[str, torch
 
 
 def load_lora_file(module: torch.nn.Module, path: Path, prefix: str) -> None:
-    """Load a LoRA file written by `write_lora_file` back into the module's peft adapter."""
-    state = load_file(str(path))
+    """Load an adapter file written by `write_lora_file` back into the module's peft adapter."""
+    load_lora_state(module, load_file(str(path)), prefix, str(path))
+
+
+def load_lora_state(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str,
+                    source: str = "adapter weights") -> None:
+    """Load difftune/diffusers-keyed adapter weights (under `prefix`) into the module's peft adapter as they are."""
     inner = {key[len(prefix) + 1:]: value for key, value in state.items() if key.startswith(f"{prefix}.")}
-    result = set_peft_model_state_dict(module, convert_unet_state_dict_to_peft(inner), adapter_name="default")
+    if is_lora(module):
+        inner = convert_unet_state_dict_to_peft(inner)
+    result = set_peft_model_state_dict(module, inner, adapter_name=ADAPTER)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
-        raise ValueError(f"{path}: weights that match no LoRA layer: {unexpected[:3]}")
+        raise ValueError(f"{source}: weights that match no adapter layer: {unexpected[:3]}")
 
 
 def add_lora_dropouts(module: torch.nn.Module, rank_dropout: float, module_dropout: float) -> int:

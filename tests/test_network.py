@@ -1,0 +1,186 @@
+"""Adapter types (LoRA, LoKr, LoHa), conv layers and filters, and their files: every form keeps the effective
+weight deltas, whatever the alphas and ranks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel, ZImageTransformer2DModel
+from safetensors.torch import save_file
+
+import run
+from helpers import trainer_process, write_job
+from jobs import get_job
+from toolkit.config import load_config
+from toolkit.config.schema import NetworkConfig
+from toolkit.models.sd import SD15Adapter
+from toolkit.models.zimage import ZImageAdapter
+from toolkit.network.files import convert_file, load_pretrained
+from toolkit.network.lora import add_lora, effective_deltas, lora_state_dict, module_scales, write_lora_file
+
+FAMILIES = {
+    "sd15": (SD15Adapter, lambda: UNet2DConditionModel.from_pretrained(sd15_folder(), subfolder="unet")),
+    "zimage": (ZImageAdapter, lambda: ZImageTransformer2DModel.from_pretrained(zimage_folder(), subfolder="transformer")),
+}
+
+
+def sd15_folder():
+    from toolkit.models.tiny import ensure_tiny_sd15
+
+    return ensure_tiny_sd15()
+
+
+def zimage_folder():
+    from toolkit.models.tiny_zimage import ensure_tiny_zimage
+
+    return ensure_tiny_zimage()
+
+
+def adapted(arch: str, network: NetworkConfig, seed: int | None = 0):
+    """The family's trainable module with the adapter; with a seed, every adapter weight randomised (so no
+    factor is zero and deltas are informative)."""
+    family, build = FAMILIES[arch]
+    module = build()
+    params = add_lora(module, network, family.lora_target_modules(None), family.conv_target_modules(None))
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in params:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return family, module
+
+
+def assert_same_deltas(expected: dict, found: dict) -> None:
+    assert expected.keys() == found.keys() and expected
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["sd15", "zimage"])
+@pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
+def test_diffusers_comfy_diffusers_round_trip_keeps_every_delta(arch, kind, tmp_path, tiny_cache):
+    """alpha 3 at rank 4: the diffusers file, its ComfyUI form, and that converted back all load (into a config
+    with another alpha) to the trained deltas."""
+    network = NetworkConfig(type=kind, linear=4, linear_alpha=3)
+    family, module = adapted(arch, network)
+    expected = effective_deltas(module)
+    ours = tmp_path / "ours.safetensors"
+    write_lora_file(ours, lora_state_dict(module, family.lora_prefix, torch.float32), {}, module, family.lora_prefix)
+    names = [name for name, _ in module.named_modules() if name]
+    forms = {"comfy": tmp_path / "comfy.safetensors", "back": tmp_path / "back.safetensors"}
+    convert_file(ours, forms["comfy"], "comfy", family.lora_prefix, family.comfy_prefix, family.comfy_separator, None)
+    convert_file(forms["comfy"], forms["back"], "diffusers", family.lora_prefix, family.comfy_prefix,
+                 family.comfy_separator, names)
+    for path in (ours, forms["comfy"], forms["back"]):
+        _, fresh = adapted(arch, NetworkConfig(type=kind, linear=4, linear_alpha=1), seed=None)
+        load_pretrained(fresh, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+        assert_same_deltas(expected, effective_deltas(fresh))
+
+
+def test_a_kohya_file_with_alphas_starts_training_with_its_deltas(tmp_path, tiny_cache, caplog):
+    """A hand-written kohya file (alpha 3 at rank 4, plus a text-encoder key difftune does not train): after
+    loading into a config with alpha 8, each delta is (3 / 4) up @ down, computed here independently."""
+    family, module = adapted("sd15", NetworkConfig(linear=4, linear_alpha=8), seed=None)
+    generator = torch.Generator().manual_seed(1)
+    kohya, expected = {}, {}
+    for name, scale in module_scales(module).items():
+        layer = module.get_submodule(name)
+        down = torch.randn(4, layer.in_features, generator=generator)
+        up = torch.randn(layer.out_features, 4, generator=generator)
+        key = "lora_unet_" + name.replace(".", "_")
+        kohya |= {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(3.0)}
+        expected[name] = 0.75 * up @ down
+    kohya["lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"] = torch.zeros(4, 8)
+    path = tmp_path / "kohya.safetensors"
+    save_file(kohya, str(path))
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        load_pretrained(module, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+    assert "skipping 1 weights of other components" in caplog.text
+    assert_same_deltas(expected, effective_deltas(module))
+
+
+def test_a_file_of_other_ranks_is_refused_clearly(tmp_path, tiny_cache):
+    family, module = adapted("sd15", NetworkConfig(linear=4, linear_alpha=4))
+    path = tmp_path / "rank4.safetensors"
+    write_lora_file(path, lora_state_dict(module, "unet", torch.float32), {}, module, "unet")
+    _, other = adapted("sd15", NetworkConfig(linear=8, linear_alpha=4), seed=None)
+    with pytest.raises(ValueError, match=r"rank4.safetensors does not fit network .*rank 4 vs 8"):
+        load_pretrained(other, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+
+
+def test_conv_layers_and_filters_choose_the_adapted_modules(tiny_cache):
+    network = NetworkConfig(linear=4, linear_alpha=4, conv=2, conv_alpha=1, only_if_contains=["down_blocks"],
+                            ignore_if_contains=["attn2"])
+    _, module = adapted("sd15", network, seed=None)
+    scales = module_scales(module)
+    assert scales and all("down_blocks" in name and "attn2" not in name for name in scales)
+    convs = {name: scale for name, scale in scales.items() if name.endswith(("conv1", "conv2", "conv"))}
+    assert convs and set(convs.values()) == {0.5}  # conv_alpha 1 / conv rank 2
+    assert {scales[n] for n in scales if n.endswith("to_q")} == {1.0}
+    assert module.get_submodule(next(iter(convs))).lora_A["default"].weight.shape[0] == 2
+
+
+def test_pretrained_lora_and_comfy_form_through_a_job(tmp_path, registry, tiny_sd15):
+    """A LoKr with conv layers trained by a job, its ComfyUI file given to a second job as pretrained_lora_path
+    (with another alpha): the second run starts from the first's deltas."""
+    first = trainer_process(tmp_path, network={"type": "lokr", "linear": 4, "linear_alpha": 2, "conv": 2},
+                            train={"steps": 3, "lr": 1e-2}, save={"formats": ["diffusers", "comfy"]})
+    config, path = load_config(str(write_job(tmp_path / "first.yaml", "first", first)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    trained = effective_deltas(job.processes[0].adapter.trainable_module())
+    comfy = tmp_path / "output" / "first" / "first.comfy.safetensors"
+    second = trainer_process(tmp_path, network={"type": "lokr", "linear": 4, "linear_alpha": 4, "conv": 2,
+                                                "pretrained_lora_path": str(comfy)}, train={"steps": 1})
+    config, path = load_config(str(write_job(tmp_path / "second.yaml", "second", second)), registry)
+    job = get_job(config, path, registry)
+    job.processes[0].setup_accelerator()
+    try:
+        job.processes[0].setup()
+        assert_same_deltas(trained, effective_deltas(job.processes[0].adapter.trainable_module()))
+    finally:
+        job.processes[0].teardown_accelerator()
+
+
+def test_convert_lora_command(tmp_path, registry, tiny_sd15):
+    process = trainer_process(tmp_path, network={"linear": 4, "linear_alpha": 2}, train={"steps": 2},
+                              save={"formats": ["diffusers"]})
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "conv", process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    expected = effective_deltas(job.processes[0].adapter.trainable_module())
+    ours = tmp_path / "output" / "conv" / "conv.safetensors"
+    assert run.main(["--convert-lora", str(ours), str(tmp_path / "c.safetensors"), "--to", "comfy"]) == 0
+    assert run.main(["--convert-lora", str(tmp_path / "c.safetensors"), str(tmp_path / "d.safetensors"),
+                     "--to", "diffusers", "--arch", "sd15", "--model", str(tiny_sd15)]) == 0
+    family, fresh = adapted("sd15", NetworkConfig(linear=4, linear_alpha=4), seed=None)
+    load_pretrained(fresh, tmp_path / "d.safetensors", family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+    assert_same_deltas(expected, effective_deltas(fresh))
+    assert run.main(["--convert-lora", str(tmp_path / "absent.safetensors"), str(tmp_path / "x"), "--to", "comfy"]) == 2
+
+
+def test_type_specific_options_are_checked():
+    with pytest.raises(ValueError, match="`use_dora` applies to type lora only"):
+        NetworkConfig(type="lokr", use_dora=True)
+    with pytest.raises(ValueError, match="`conv_alpha` needs `conv`"):
+        NetworkConfig(conv_alpha=2)
+
+
+def test_dora_round_trips_in_the_diffusers_file(tmp_path, tiny_cache):
+    network = NetworkConfig(linear=4, linear_alpha=4, use_dora=True)
+    family, module = adapted("sd15", network)
+    path = tmp_path / "dora.safetensors"
+    write_lora_file(path, lora_state_dict(module, "unet", torch.float32), {}, module, "unet")
+    _, fresh = adapted("sd15", network, seed=None)
+    load_pretrained(fresh, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+    assert_same_deltas(effective_deltas(module), effective_deltas(fresh))
+    magnitudes = [n for n, _ in fresh.named_parameters() if "lora_magnitude_vector" in n]
+    assert magnitudes and all(torch.equal(fresh.get_parameter(n), module.get_parameter(n)) for n in magnitudes)
+
+
+def test_dora_with_an_explicit_comfy_format_is_a_config_error(tmp_path, registry):
+    process = trainer_process(tmp_path, network={"use_dora": True}, save={"formats": ["comfy"]})
+    with pytest.raises(Exception, match="no DoRA form"):
+        load_config(str(write_job(tmp_path / "job.yaml", "d", process)), registry)

@@ -1,0 +1,177 @@
+"""Adapter files in and out: the ComfyUI/kohya file next to the diffusers one, starting training from an existing
+file of either form with its alphas honoured, and converting files between the forms (`run.py --convert-lora`).
+
+The invariant everywhere is the effective weight delta (alpha / rank included): whatever a file's alphas and
+ranks, what it adds to the model's weights survives reading, converting and loading.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from safetensors import safe_open
+
+from .formats import FROM_COMFY, from_comfy, is_comfy_form, kohya_metadata, split_weight_key, to_comfy
+from .lora import compare_lora_state, load_lora_state, lora_state_dict, module_scales, write_safetensors
+
+log = logging.getLogger("difftune")
+
+#: the weight of each adapter type that carries the scale when alphas are folded in (delta is linear in it)
+SCALE_CARRIERS = ("lora.up.weight", "lora_B.weight", "lokr_w1", "lokr_w1_a", "hada_w1_a")
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"adapter file not found: {path}")
+    with safe_open(str(path), "pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata() or {}
+
+
+def header_scales(metadata: dict[str, str], prefix: str, modules: list[str]) -> dict[str, float] | None:
+    """Per-module scales (alpha / r, peft's rule for every adapter type) from the peft config in a diffusers
+    header, or None without one."""
+    if LORA_ADAPTER_METADATA_KEY not in metadata:
+        return None
+    config = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])
+    alpha = config.get(f"{prefix}.lora_alpha", config.get(f"{prefix}.alpha"))
+    rank = config.get(f"{prefix}.r")
+    if alpha is None or rank is None:
+        return None
+
+    def pick(patterns: dict, module: str, default: float) -> float:
+        hits = [value for key, value in (patterns or {}).items() if re.match(rf"(.*\.)?({key})$", module)]
+        return float(hits[0] if hits else default)
+
+    return {m: pick(config.get(f"{prefix}.alpha_pattern"), m, alpha) / pick(config.get(f"{prefix}.rank_pattern"), m, rank)
+            for m in modules}
+
+
+def module_paths(state: dict[str, torch.Tensor], prefix: str) -> list[str]:
+    """The module paths (without `prefix`) that a difftune/diffusers-keyed state holds weights for."""
+    suffixes = [*FROM_COMFY.values(), "lora_A.weight", "lora_B.weight", "lora_magnitude_vector",
+                "lora_magnitude_vector.weight"]
+    return sorted({split_weight_key(key[len(prefix) + 1:], suffixes)[0] for key in state
+                   if key.startswith(prefix + ".")})
+
+
+def rank_of(state: dict[str, torch.Tensor], prefix: str, module: str) -> int:
+    """A module's rank as ComfyUI reads it from the weights (LoRA's down projection, a LyCORIS decomposed
+    factor); 0 for LoKr with full factors, where ComfyUI and LyCORIS apply no alpha / rank."""
+    for suffix, dim in (("lora.down.weight", 0), ("lora_A.weight", 0), ("lokr_w1_b", 0), ("lokr_w2_b", 0),
+                        ("hada_w1_b", 0)):
+        key = f"{prefix}.{module}.{suffix}"
+        if key in state:
+            return state[key].shape[dim]
+    return 0
+
+
+def comfy_scales(state: dict[str, torch.Tensor], prefix: str, alphas: dict[str, float]) -> dict[str, float]:
+    """Per-module scales as ComfyUI applies a file's `.alpha`: alpha / rank, or 1 where there is no rank."""
+    return {m: (alpha / rank_of(state, prefix, m) if rank_of(state, prefix, m) else 1.0) for m, alpha in alphas.items()}
+
+
+def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str, model_modules: list[str] | None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """(weights keyed `<prefix>.<module>.<weight>` in difftune's form, the scale each module's delta carries).
+    Scales come from the diffusers header (peft's alpha / r), from ComfyUI `.alpha` keys (alpha / rank), or
+    are 1 when the file says nothing (diffusers' rule: alpha = rank). ComfyUI/kohya files need `model_modules`
+    (the module paths under `prefix`) where their names are flattened; keys of other components (e.g. text
+    encoders) are skipped with a warning."""
+    state, metadata = read_safetensors(path)
+    if not is_comfy_form(state, comfy_prefix, separator):
+        weights = {key: value for key, value in state.items() if key.startswith(prefix + ".")}
+        if not weights:
+            raise ValueError(f"{path}: no adapter weights under `{prefix}.` or `{comfy_prefix}{separator}` (not an "
+                             "adapter for this model family?)")
+        modules = module_paths(weights, prefix)
+        return weights, header_scales(metadata, prefix, modules) or dict.fromkeys(modules, 1.0)
+    ours = {key: value for key, value in state.items() if key.startswith(comfy_prefix + separator)}
+    if len(ours) < len(state):
+        log.warning("%s: skipping %d weights of other components (only %s... is trained here)", path,
+                    len(state) - len(ours), comfy_prefix)
+    if model_modules is None:
+        if separator == "_":
+            raise ValueError(f"{path}: kohya names are flattened; converting them needs the model's module names")
+        model_modules = sorted({split_weight_key(k, [*FROM_COMFY, "alpha"])[0][len(comfy_prefix) + 1:]
+                                for k in ours})
+    weights, alphas = from_comfy(ours, {prefix: comfy_prefix}, [f"{prefix}.{m}" for m in model_modules], separator)
+    modules = module_paths(weights, prefix)
+    named = {m: alphas.get(f"{prefix}.{m}", float(rank_of(weights, prefix, m) or 1)) for m in modules}
+    return weights, comfy_scales(weights, prefix, named)
+
+
+def comfy_ready(weights: dict[str, torch.Tensor], prefix: str, scales: dict[str, float]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Weights and `.alpha` values that make ComfyUI apply `scales`: alpha = scale x rank, or, where ComfyUI
+    applies no alpha (full LoKr factors), the scale folded into the weights."""
+    folded = {m: scale for m, scale in scales.items() if not rank_of(weights, prefix, m)}
+    alphas = {m: (1.0 if m in folded else scale * rank_of(weights, prefix, m)) for m, scale in scales.items()}
+    return rescaled(weights, prefix, folded), alphas
+
+
+def rescaled(state: dict[str, torch.Tensor], prefix: str, ratios: dict[str, float]) -> dict[str, torch.Tensor]:
+    """`state` with each module's scale-carrying weight multiplied by its ratio (deltas are linear in it)."""
+    out = dict(state)
+    for module, ratio in ratios.items():
+        if ratio == 1.0:
+            continue
+        for suffix in SCALE_CARRIERS:
+            key = f"{prefix}.{module}.{suffix}"
+            if key in out:
+                out[key] = out[key] * ratio
+                break
+        else:
+            raise ValueError(f"{module}: cannot rescale this adapter type's weights")
+    return out
+
+
+def load_pretrained(module: torch.nn.Module, path: Path, prefix: str, comfy_prefix: str, separator: str) -> None:
+    """Start the adapter from a file: its weights, rescaled so that the effective deltas are the file's under
+    this config's alphas (e.g. a kohya file with alpha 8 at rank 16 into a config with linear_alpha 16)."""
+    ours = module_scales(module)
+    weights, scales = read_adapter_file(path, prefix, comfy_prefix, separator, sorted(ours))
+    problems = compare_lora_state(lora_state_dict(module, prefix, torch.float32), weights)
+    if problems:
+        raise ValueError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets): "
+                         + "; ".join(problems))
+    ratios = {m: scales[m] / ours[m] for m in ours}
+    if getattr(module.peft_config["default"], "use_dora", False) and any(abs(r - 1) > 1e-9 for r in ratios.values()):
+        raise ValueError(f"network.pretrained_lora_path {path}: a DoRA file's alphas must equal the config's "
+                         "(DoRA deltas are not linear in the up weights)")
+    load_lora_state(module, rescaled(weights, prefix, ratios), prefix)
+    changed = sum(abs(r - 1) > 1e-9 for r in ratios.values())
+    log.info("started the adapter from %s%s", path, f" ({changed} modules rescaled to this config's alphas)"
+             if changed else "")
+
+
+def write_comfy_file(path: Path, module: torch.nn.Module, prefix: str, comfy_prefix: str, separator: str,
+                     dtype: torch.dtype, metadata: dict[str, str], network_type: str, base_model: str) -> None:
+    """The ComfyUI/kohya form of the trained adapter, with alphas and kohya's header keys."""
+    weights, alphas = comfy_ready(lora_state_dict(module, prefix, torch.float32), prefix, module_scales(module))
+    state = {k: v.to(dtype) for k, v in to_comfy(weights, {prefix: comfy_prefix}, alphas.__getitem__,
+                                                  separator).items()}
+    config = module.peft_config["default"]
+    alpha = getattr(config, "lora_alpha", getattr(config, "alpha", None))
+    write_safetensors(path, state, {**metadata, **kohya_metadata(config.r, alpha, base_model, network_type)})
+
+
+def convert_file(source: Path, target: Path, to: str, prefix: str, comfy_prefix: str, separator: str,
+                 model_modules: list[str] | None) -> int:
+    """Rewrite an adapter file in the other form; deltas unchanged. To diffusers, the scales are folded into
+    the weights (alpha = rank, what every diffusers loader assumes without a header). Returns the modules."""
+    weights, scales = read_adapter_file(source, prefix, comfy_prefix, separator, model_modules)
+    _, metadata = read_safetensors(source)
+    if to == "comfy":
+        ready, alphas = comfy_ready(weights, prefix, scales)
+        state = to_comfy(ready, {prefix: comfy_prefix}, alphas.__getitem__, separator)
+        kept = {k: v for k, v in metadata.items() if k != LORA_ADAPTER_METADATA_KEY}
+    else:
+        state = rescaled(weights, prefix, scales)
+        kept = {k: v for k, v in metadata.items() if not k.startswith("ss_") and k != LORA_ADAPTER_METADATA_KEY}
+    write_safetensors(target, state, kept)
+    return len(scales)
