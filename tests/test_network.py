@@ -184,3 +184,30 @@ def test_dora_with_an_explicit_comfy_format_is_a_config_error(tmp_path, registry
     process = trainer_process(tmp_path, network={"use_dora": True}, save={"formats": ["comfy"]})
     with pytest.raises(Exception, match="no DoRA form"):
         load_config(str(write_job(tmp_path / "job.yaml", "d", process)), registry)
+
+
+def test_peft_named_diffusers_files_load_too(tmp_path, tiny_cache):
+    """Files with peft's own names (`.lora_A.weight`, as some tools write diffusers LoRAs) start training."""
+    from peft import get_peft_model_state_dict
+
+    family, module = adapted("zimage", NetworkConfig(linear=4, linear_alpha=4))
+    state = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(module).items()}
+    assert any(".lora_A." in k for k in state)
+    path = tmp_path / "peft_named.safetensors"
+    save_file(state, str(path))
+    _, fresh = adapted("zimage", NetworkConfig(linear=4, linear_alpha=4), seed=None)
+    load_pretrained(fresh, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+    assert_same_deltas(effective_deltas(module), effective_deltas(fresh))
+
+
+def test_lokr_module_dropout_trains_on_two_processes(tmp_path, tiny_sd15):
+    """peft's LoKr skips a dropped module entirely, so its weights miss a gradient that step; DDP is told to
+    expect that, and a 2-process run completes."""
+    from helpers import launch
+    from toolkit.metrics import read_metrics
+
+    process = trainer_process(tmp_path, network={"type": "lokr", "linear": 4, "linear_alpha": 4,
+                                                 "module_dropout": 0.5}, train={"steps": 4, "batch_size": 1})
+    result = launch(write_job(tmp_path / "job.yaml", "drop", process), 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "output" / "drop" / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -114,13 +114,16 @@ def test_rank_mismatch_fails_clearly_and_touches_nothing(tmp_path, caplog):
     first = write_job(tmp_path / "job.yaml", "mismatch", resume_process(tmp_path, steps=4))
     assert run.main([str(first)]) == 0
     run_dir = tmp_path / "output" / "mismatch"
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    work = lambda p: p.is_file() and p.name != "status.json"  # noqa: E731 - status says what happened last
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if work(p)}
 
     process = resume_process(tmp_path, steps=8)
     process["network"]["linear"] = 8
     assert run.main([str(write_job(tmp_path / "job.yaml", "mismatch", process))]) == 1
     assert "rank 4 vs 8" in caplog.text and str(run_dir / "checkpoints" / "step_000000004") in caplog.text
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if work(p)} == before
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "rank 4 vs 8" in status["last_error"] and status["step"] == 4
 
 
 def test_new_steps_lr_and_optimizer_settings_apply_on_resume(tmp_path, caplog):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -165,3 +166,28 @@ def test_tensorboard_logs_the_metrics(tmp_path, registry, tiny_sd15):
     accumulator = EventAccumulator(str(events[0].parent))
     accumulator.Reload()
     assert [event.step for event in accumulator.Scalars("loss")] == [1, 2, 3]
+
+
+def test_requests_from_before_a_run_started_are_dropped(tmp_path, registry, tiny_sd15, caplog):
+    """A stop left in control/ (e.g. sent to a run that had already finished) must not stop a later run."""
+    stale = tmp_path / "output" / "later" / "control" / "1000-1-stop.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        _, run_dir = run_job(tmp_path, registry, "later", trainer_process(tmp_path, train={"steps": 3}))
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert "ignoring 1 control request" in caplog.text and not stale.exists()
+
+
+def test_a_run_that_fails_in_setup_says_so_in_its_status(tmp_path, registry):
+    process = trainer_process(tmp_path, model={"arch": "sd15", "name_or_path": str(tmp_path / "absent_model")})
+    with pytest.raises(FileNotFoundError):
+        run_job(tmp_path, registry, "broken", process)
+    status = json.loads((tmp_path / "output" / "broken" / "status.json").read_text())
+    assert status["state"] == "failed" and "looks like a local path" in status["last_error"]
+
+
+def test_control_needs_a_running_trainer(tmp_path):
+    control.Status(state="finished", pid=os.getpid(), step=3, total=3).write(tmp_path)
+    assert run.main(["--control", str(tmp_path), "stop"]) == 2
+    assert not (tmp_path / "control").exists()

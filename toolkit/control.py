@@ -33,6 +33,9 @@ def request(run_dir: Path, action: str) -> Path:
         raise ValueError(f"unknown control action '{action}' (one of: {', '.join(ACTIONS)})")
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run folder {run_dir}")
+    state, line = describe_status(run_dir)
+    if state != "running":
+        raise ValueError(f"no trainer is running there to {action}: {line}")
     path = run_dir / CONTROL_DIR / f"{time.time_ns()}-{os.getpid()}-{action}.json"
     write_json_atomic(path, {"action": action, "requested_at": time.time()})
     return path
@@ -115,12 +118,17 @@ class RunMonitor:
     def __init__(self, run_dir: Path, enabled: bool, total: int, heartbeat_s: float = 10.0):
         self.run_dir = run_dir
         self.enabled = enabled
-        self.status = Status(state="running", total=total)
+        previous = read_status(run_dir) if enabled else None
+        # until this run knows better (a resume, a plan), the folder's last known step and total stand
+        self.status = Status(state="running", step=previous.step if previous else 0,
+                             total=previous.total if previous and not total else total)
         self.heartbeat_s = heartbeat_s
         self.taken: list[Path] = []
+        #: whether this run's plan (and resumed step) is known: until then its step is the folder's last known
+        self.planned = False
 
-    def started(self, step: int) -> None:
-        self._write("running", step)
+    def started(self, step: int | None = None) -> None:
+        self._write("running", self.status.step if step is None else step)
 
     def heartbeat(self, step: int) -> None:
         if self.enabled and time.time() - self.status.updated_at >= self.heartbeat_s:
@@ -134,13 +142,23 @@ class RunMonitor:
         self.taken = [path for paths in found.values() for path in paths]
         return {action: bool(paths) for action, paths in found.items()}
 
+    def drop_stale_requests(self) -> int:
+        """Remove requests made before this run started (e.g. sent to a run that had already finished)."""
+        if not self.enabled:
+            return 0
+        started_ns = self.status.started_at * 1e9
+        stale = [path for paths in pending(self.run_dir).values() for path in paths
+                 if int(path.name.split("-", 1)[0]) < started_ns]
+        done(stale)
+        return len(stale)
+
     def acknowledge(self) -> None:
         done(self.taken)
         self.taken = []
 
-    def ended(self, state: str, step: int, error: str | None = None) -> None:
+    def ended(self, state: str, step: int | None, error: str | None = None) -> None:
         self.status.last_error = error
-        self._write(state, step)
+        self._write(state, self.status.step if step is None else step)
 
     def _write(self, state: str, step: int) -> None:
         if not self.enabled:

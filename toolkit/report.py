@@ -76,19 +76,25 @@ def chart(name: str, points: list[tuple[int, float]]) -> str:
             f'width="{WIDTH}" height="{HEIGHT}">{frame}{"".join(lines)}{labels}</svg></figure>')
 
 
+def series_names(series: dict[str, list]) -> list[str]:
+    """Every plotted line: each metric, and the smoothed copy of each loss."""
+    return [n for name in series for n in ([name, f"{name} (smoothed)"] if name.startswith("loss") else [name])]
+
+
 def toggles(names: list[str]) -> str:
     boxes = [f'<label><input type="checkbox" checked data-toggle="{html.escape(n)}"> {html.escape(n)}</label>'
              for n in names]
     return f'<div class="toggles">{" ".join(boxes)}</div>'
 
 
-def sample_grid(run_dir: Path) -> str:
-    """Rows: prompt index; columns: steps; each cell the relative image path (prompt in its PNG text)."""
+def sample_grid(run_dir: Path, last_step: int | None) -> str:
+    """Rows: prompt index; columns: steps up to the last logged one (samples of a run continued from an older
+    checkpoint belong to abandoned steps); each cell the relative image path (prompt in its PNG text)."""
     folder = run_dir / "samples"
     found: dict[int, dict[int, str]] = {}
     for path in sorted(folder.glob("step_*.png")) if folder.is_dir() else []:
         match = SAMPLE_NAME.match(path.name)
-        if match:
+        if match and (last_step is None or int(match.group(1)) <= last_step):
             found.setdefault(int(match.group(2)), {})[int(match.group(1))] = f"samples/{path.name}"
     if not found:
         return "<p>No samples yet.</p>"
@@ -127,7 +133,9 @@ def plan_text(run_dir: Path) -> str:
 SCRIPT = """
 for (const box of document.querySelectorAll('[data-toggle]')) {
   box.addEventListener('change', () => {
-    document.getElementById('chart-' + box.dataset.toggle).style.display = box.checked ? '' : 'none';
+    for (const line of document.querySelectorAll('polyline')) {
+      if (line.dataset.series === box.dataset.toggle) line.style.display = box.checked ? '' : 'none';
+    }
   });
 }
 """
@@ -153,8 +161,8 @@ def build_report(run_dir: Path) -> str:
     summary = f"{len(records)} logged updates" + (f", last step {last['step']}" if last else "")
     body = [
         f"<h1>{name}</h1><p>{summary}</p>",
-        "<h2>Metrics</h2>", toggles(list(series)), *(chart(k, v) for k, v in series.items()),
-        "<h2>Samples</h2>", sample_grid(run_dir),
+        "<h2>Metrics</h2>", toggles(series_names(series)), *(chart(k, v) for k, v in series.items()),
+        "<h2>Samples</h2>", sample_grid(run_dir, last.get("step")),
         "<h2>Training plan</h2>", f"<pre>{html.escape(plan_text(run_dir))}</pre>",
         "<h2>Config</h2>", f"<pre>{html.escape(read_text(run_dir / 'config.yaml'))}</pre>",
     ]
@@ -165,7 +173,7 @@ def build_report(run_dir: Path) -> str:
 def write_report(run_dir: Path) -> Path:
     """(Re)write report.html atomically."""
     path = run_dir / REPORT_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a concurrent --report writes its own
     tmp.write_text(build_report(run_dir), encoding="utf-8")
     os.replace(tmp, path)
     return path

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 import warnings
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +21,18 @@ from toolkit.data.buckets import BucketBatchSampler
 from toolkit.data.dataset import build_dataset, collate
 from toolkit.data.latent_cache import LatentCache, cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
-from toolkit.control import RunMonitor, write_json_atomic
-from toolkit.device import DTYPES, flush, memory_debug, memory_fields, modules_on, safe_module_to_device, torch_dtype
-from toolkit.metrics import MetricsWriter, TimestepStats, progress_bars_wanted, truncate_after
+from toolkit.device import (
+    DTYPES,
+    flush,
+    memory_debug,
+    memory_fields,
+    modules_on,
+    safe_module_to_device,
+    torch_dtype,
+)
+from toolkit.metrics import MetricsWriter, TimestepStats, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
 from toolkit.network.files import load_pretrained, write_comfy_file
-from toolkit.paths import normalize_path
-from toolkit.report import PLAN_FILE, write_report
 from toolkit.network.lora import (
     add_lora,
     compare_lora_state,
@@ -35,8 +40,8 @@ from toolkit.network.lora import (
     lora_state_dict,
     mirror_lora,
     write_lora_file,
-    write_safetensors,
 )
+from toolkit.paths import normalize_path
 from toolkit.sampling import SampleRenderer
 from toolkit.signals import GracefulStop
 from toolkit.train.lr_schedulers import build_lr_scheduler
@@ -45,6 +50,7 @@ from toolkit.train.plan import TrainingPlan, accumulation_window
 
 from .base_process import StopRequested
 from .base_train_process import BaseTrainProcess
+from .watching import WatchedRun
 
 log = logging.getLogger("difftune")
 
@@ -58,13 +64,14 @@ class Position:
     micro_batch_in_epoch: int = 0
 
 
-class BaseSDTrainProcess(BaseTrainProcess):
+class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
     config: SDTrainerConfig
     adapter: ModelAdapter
 
     def run(self) -> None:
         self.setup_accelerator()
         try:
+            self.open_monitor()
             resume_from = self.find_resume_checkpoint()
             self.setup()
             if resume_from is not None:
@@ -73,7 +80,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
             if resume_from is not None:
                 self.set_aside_abandoned_checkpoints()
             self.open_metrics(resumed=resume_from is not None)
-            self.open_monitor()
+            self.announce_plan()
             if self.position.global_step >= self.plan.total_updates and resume_from is not None:
                 self.report_already_complete()
                 return
@@ -85,8 +92,8 @@ class BaseSDTrainProcess(BaseTrainProcess):
         except StopRequested:
             raise
         except BaseException as error:
-            if getattr(self, "monitor", None) is not None:
-                self.monitor.ended("failed", self.position.global_step, f"{type(error).__name__}: {error}")
+            step = self.position.global_step if self.monitor.planned else None  # before: the folder's last known
+            self.monitor.ended("failed", step, f"{type(error).__name__}: {error}")
             raise
         finally:
             self.end_tracking()
@@ -264,19 +271,6 @@ class BaseSDTrainProcess(BaseTrainProcess):
             )
             self.plan = self.plan.with_micro_batches(real_micro_batches)
 
-    def open_monitor(self) -> None:
-        """status.json (running), the plan next to it for the report, and the TensorBoard tracker if asked."""
-        self.monitor = RunMonitor(self.run_dir, self.is_main, self.plan.total_updates)
-        self.monitor.started(self.position.global_step)
-        if self.is_main:
-            write_json_atomic(self.run_dir / PLAN_FILE, self.plan.as_dict(), sort_keys=False)
-        if self.config.logging.tensorboard:
-            self.accelerator.init_trackers(self.job.name)
-
-    def end_tracking(self) -> None:
-        if self.config.logging.tensorboard and getattr(self, "monitor", None) is not None:
-            self.accelerator.end_training()
-
     def open_metrics(self, resumed: bool) -> None:
         """metrics.jsonl keeps one line per update: lines after the resumed step (an interrupted run's
         updates that no checkpoint kept) are dropped, a fresh start begins an empty file."""
@@ -362,7 +356,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if self.is_main and not self.final_lora_path.exists():
             self.write_final_loras()
         if self.is_main:
-            write_report(self.run_dir)
+            self.write_report()
         self.monitor.ended("finished", self.position.global_step)
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -464,26 +458,6 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if self.config.sample.sample_every and step % self.config.sample.sample_every == 0:
             self.sample(step)
 
-    def steer(self) -> bool:
-        """Once per update on every process (collective): a stop signal on any process and the control
-        requests the main process found become one decision everywhere. `save` and `sample` act now (and the
-        run goes on); returns whether to stop, which every process then does after this same update."""
-        wanted = self.monitor.take_requests()
-        flags = torch.tensor([float(self.stop.requested or wanted["stop"]), float(wanted["save"]),
-                              float(wanted["sample"])], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags, reduction="sum")
-        stop, save, sample = (value > 0 for value in flags.tolist())
-        if save and self.last_saved_step != self.position.global_step:
-            log.info("control: saving a checkpoint at step %d", self.position.global_step)
-            self.save_checkpoint()
-        if sample:
-            log.info("control: rendering samples at step %d", self.position.global_step)
-            self.sample(self.position.global_step)
-        self.monitor.acknowledge()
-        self.stopping = stop
-        return stop
-
     def stop_with_checkpoint(self) -> None:
         if self.last_saved_step != self.position.global_step:
             self.save_checkpoint()
@@ -495,54 +469,6 @@ class BaseSDTrainProcess(BaseTrainProcess):
         )
 
     # ---- outputs -------------------------------------------------------------------------------
-
-    def sample(self, step: int) -> None:
-        if not self.renderer.enabled:
-            return
-        if self.is_main:
-            self.trained_module.eval()
-            # fork_rng: whatever a pipeline draws from the global RNG is not taken from training's stream
-            with memory_debug("sampling", self.config.logging.debug_memory), \
-                    torch.random.fork_rng(devices=self.cuda_devices()):
-                conditioning = self.sampling_conditioning()
-                with modules_on(self.sampling_modules(conditioning), self.accelerator.device,
-                                while_moving=self.mirrors_detached):
-                    self.renderer.render(self.adapter, step, self.progress_enabled, conditioning)
-            self.trained_module.train()
-            flush()
-            write_report(self.run_dir)
-        self.accelerator.wait_for_everyone()
-
-    def sampling_conditioning(self) -> list[dict | None]:
-        """The prompts' conditioning, computed first where the family can, with an offloaded text encoder
-        visiting alone: it has left again before the sampling model arrives."""
-        text_encoders = [m for m in self.offloaded if any(m is t for t in self.adapter.text_encoder_modules())]
-        with modules_on(text_encoders, self.accelerator.device):
-            return self.renderer.conditioning(self.adapter)
-
-    def sampling_modules(self, conditioning: list[dict | None]) -> list[torch.nn.Module]:
-        """What rendering needs on the accelerator: the offloaded modules (minus the text encoders when the
-        prompts are already encoded) and the sample-only models."""
-        encoded = all(c is not None for c in conditioning)
-        text_encoders = self.adapter.text_encoder_modules()
-        needed = [m for m in self.offloaded if not (encoded and any(m is t for t in text_encoders))]
-        return needed + self.adapter.sampling_only_modules()
-
-    @property
-    def progress_enabled(self) -> bool:
-        return self.is_main and progress_bars_wanted()
-
-    def cuda_devices(self) -> list[int]:
-        device = self.accelerator.device
-        return [device.index or 0] if device.type == "cuda" else []
-
-    @contextmanager
-    def mirrors_detached(self):
-        """While models that share the trained LoRA move, the LoRA stays where training keeps it."""
-        with ExitStack() as stack:
-            for mirror in self.mirrors:
-                stack.enter_context(mirror.detached())
-            yield
 
     def lora_metadata(self) -> dict[str, str]:
         facts = self.adapter.describe()
@@ -609,7 +535,7 @@ class BaseSDTrainProcess(BaseTrainProcess):
         self.last_saved_step = self.position.global_step
         if self.is_main:
             log.info("saved checkpoint %s", folder)
-            write_report(self.run_dir)
+            self.write_report()
 
     def finish(self) -> None:
         step = self.position.global_step
@@ -621,6 +547,6 @@ class BaseSDTrainProcess(BaseTrainProcess):
         if not (self.config.sample.sample_every and step % self.config.sample.sample_every == 0):
             self.sample(step)
         if self.is_main:
-            write_report(self.run_dir)
+            self.write_report()
         self.monitor.ended("finished", step)
         self.accelerator.wait_for_everyone()

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
 from toolkit import checkpoint
 from toolkit.device import mixed_precision
@@ -58,7 +58,12 @@ class BaseTrainProcess(BaseProcess):
             torch.cuda.set_device(device.index)
         self.mixed_precision = mixed_precision(self.config.train.dtype, device)
         tensorboard = self.config.logging.tensorboard
+        network = self.config.network
+        # peft's LoKr/LoHa skip a dropped module's computation entirely: its weights get no gradient that step,
+        # which DDP must be told to expect (LoRA's own module dropout multiplies by 0 instead)
+        unused = network.type != "lora" and network.module_dropout > 0
         self.accelerator = Accelerator(
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] if unused else None,
             cpu=device.type == "cpu",
             mixed_precision=self.mixed_precision,
             gradient_accumulation_steps=self.config.train.gradient_accumulation,

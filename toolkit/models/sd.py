@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,10 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
-from ..device import memory_debug, safe_module_to_device
+from ..device import memory_debug
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
+from .common import encoder_identity, place_frozen, vae_latent_dist, vae_latents
 from .noise_schedules import DDPMNoiseSchedule
 from .tiny import ensure_tiny_sd15
 
@@ -55,7 +55,7 @@ class SD15Adapter(ModelAdapter):
             else:
                 parts = cls._load_folder(source, model_cfg, dtype)
         adapter = cls(*parts, source=source)
-        adapter._freeze_and_place(device, model_cfg.low_vram)
+        place_frozen(adapter.unet, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
 
     @staticmethod
@@ -79,15 +79,6 @@ class SD15Adapter(ModelAdapter):
         scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, scheduler
 
-    def _freeze_and_place(self, device: torch.device, low_vram: bool) -> None:
-        """Frozen, in eval mode; the encoders wait on the CPU under low_vram (the trainer brings them)."""
-        for module in (self.unet, self.vae, self.text_encoder):
-            module.requires_grad_(False)
-            module.eval()
-        safe_module_to_device(self.unet, device)
-        for module in (self.vae, self.text_encoder):
-            safe_module_to_device(module, "cpu" if low_vram else device)
-
     @property
     def device(self) -> torch.device:
         return self.unet.device
@@ -109,17 +100,11 @@ class SD15Adapter(ModelAdapter):
         lengths = [len(ids) for ids in self.tokenizer(prompts, truncation=False).input_ids]
         return [i for i, length in enumerate(lengths) if length > limit]
 
-    @torch.no_grad()
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
-        pixels = pixels.to(device=self.vae.device, dtype=self.vae.dtype)
-        posterior = self.vae.encode(pixels).latent_dist
-        return LatentDist(posterior.mean, posterior.std)
+        return vae_latent_dist(self.vae, pixels)
 
     def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
-        # The posterior sample is drawn on a CPU generator so it does not depend on the device.
-        mean, std = dist.mean.float(), dist.std.float()
-        eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
-        return (mean + std * eps.to(mean.device)) * self.vae.config.scaling_factor
+        return vae_latents(dist, generator, self.vae.config.scaling_factor)
 
     def image_encoder_modules(self) -> list[torch.nn.Module]:
         return [self.vae]
@@ -128,10 +113,7 @@ class SD15Adapter(ModelAdapter):
         return [self.text_encoder]
 
     def encoder_identity(self, part: str) -> str:
-        module = {"image": self.vae, "text": self.text_encoder}[part]
-        config = module.config.to_json_string() if hasattr(module.config, "to_json_string") else str(module.config)
-        facts = f"{self.source}|{module.dtype}|{config}|{weights_fingerprint(module)}"
-        return f"{self.arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+        return encoder_identity(self.arch, part, self.source, {"image": self.vae, "text": self.text_encoder}[part])
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None) -> torch.Tensor:
@@ -166,16 +148,3 @@ class SD15Adapter(ModelAdapter):
 
     def describe(self) -> dict[str, str]:
         return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}
-
-
-def weights_fingerprint(module: torch.nn.Module, buffers: bool = False) -> str:
-    """A digest of a module's weights (each tensor's sum and norm), and of its floating-point buffers when
-    asked (e.g. BatchNorm statistics): a VAE or text encoder swapped in under the same path and config still
-    changes cache keys."""
-    tensors = list(module.parameters())
-    if buffers:
-        tensors += [b for b in module.buffers() if b.is_floating_point()]
-    with torch.no_grad():
-        stats = torch.stack([torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
-                             for p in tensors])
-    return hashlib.sha256(stats.cpu().numpy().round(6).tobytes()).hexdigest()[:16]

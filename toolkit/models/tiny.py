@@ -12,8 +12,8 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 

@@ -7,7 +7,6 @@ sample images go through the prior and then the stage-B decoder pipeline.
 from __future__ import annotations
 
 import copy
-import hashlib
 import pickle
 from functools import partial
 from pathlib import Path
@@ -27,11 +26,11 @@ from torchvision.models import efficientnet
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
-from ..device import memory_debug, safe_module_to_device
+from ..device import memory_debug
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
+from .common import encoder_identity, place_frozen
 from .noise_schedules import WuerstchenNoiseSchedule
-from .sd import weights_fingerprint
 
 #: ImageNet normalisation the encoder was trained with
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -191,7 +190,9 @@ class WuerstchenAdapter(ModelAdapter):
             image_encoder = EfficientNetImageEncoder.from_state_dict(state, sources["image_encoder"]).to(dtype)
             decoder = cls._load_decoder(sources["decoder"], dtype) if "decoder" in sources else None
         adapter = cls(*prior_parts, image_encoder=image_encoder, decoder=decoder, sources=sources)
-        adapter._freeze_and_place(device, model_cfg.low_vram)
+        # the decoder (sample-only) stays on the CPU until samples render
+        place_frozen(adapter.prior, [adapter.text_encoder, adapter.image_encoder], device, model_cfg.low_vram,
+                     adapter.sampling_only_modules())
         return adapter
 
     @staticmethod
@@ -230,16 +231,6 @@ class WuerstchenAdapter(ModelAdapter):
             "tokenizer": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer"),
             "scheduler": DDPMWuerstchenScheduler.from_pretrained(source, subfolder="scheduler"),
         }
-
-    def _freeze_and_place(self, device: torch.device, low_vram: bool) -> None:
-        """Frozen, in eval mode; the decoder stays on the CPU until samples render, and under low_vram the
-        encoders wait there too (the trainer brings them)."""
-        for module in (self.prior, self.text_encoder, self.image_encoder, *self.sampling_only_modules()):
-            module.requires_grad_(False)
-            module.eval()
-        safe_module_to_device(self.prior, device)
-        for module in (self.text_encoder, self.image_encoder):
-            safe_module_to_device(module, "cpu" if low_vram else device)
 
     @property
     def device(self) -> torch.device:
@@ -285,12 +276,11 @@ class WuerstchenAdapter(ModelAdapter):
         return [self.decoder["decoder"], self.decoder["vqgan"], self.decoder["text_encoder"]]
 
     def encoder_identity(self, part: str) -> str:
-        module, source = {"image": (self.image_encoder, self.sources["image_encoder"]),
-                          "text": (self.text_encoder, self.sources["prior"])}[part]
-        config = module.config.to_json_string() if hasattr(module, "config") else f"effnet_v2_s {module.stage_channels}"
-        # the encoder's BatchNorm statistics set the embeddings' scale: they count as weights here
-        facts = f"{source}|{next(module.parameters()).dtype}|{config}|{weights_fingerprint(module, buffers=True)}"
-        return f"{self.arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+        if part == "text":
+            return encoder_identity(self.arch, part, self.sources["prior"], self.text_encoder)
+        # the image encoder's BatchNorm statistics set the embeddings' scale: they count as weights here
+        return encoder_identity(self.arch, part, self.sources["image_encoder"], self.image_encoder,
+                                f"effnet_v2_s {self.image_encoder.stage_channels}", buffers=True)
 
     # ---- denoiser ------------------------------------------------------------------------------
 

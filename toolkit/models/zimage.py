@@ -11,7 +11,6 @@ Conventions, as ZImagePipeline.__call__ and diffusers' Z-Image LoRA example appl
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
@@ -27,8 +26,8 @@ from ..paths import normalize_path
 from ..quantize import quantize_blockwise
 from ..train.timesteps import ShiftSchedule
 from .base import LatentDist, ModelAdapter, PromptEmbeds
+from .common import encoder_identity, vae_latent_dist, vae_latents
 from .noise_schedules import FlowMatchNoiseSchedule
-from .sd import weights_fingerprint
 from .tiny_zimage import ensure_tiny_zimage, ensure_tiny_zimage_turbo
 
 #: where a single-file transformer's other parts (text encoder, tokenizer, VAE, scheduler) and its config come
@@ -241,18 +240,12 @@ class ZImageAdapter(ModelAdapter):
 
     # --- images -------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
-        pixels = pixels.to(device=self.vae.device, dtype=self.vae.dtype)
-        posterior = self.vae.encode(pixels).latent_dist
-        return LatentDist(posterior.mean, posterior.std)
+        return vae_latent_dist(self.vae, pixels)
 
     def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
-        # The posterior sample is drawn on a CPU generator so it does not depend on the device. The pipeline
-        # decodes latents / scaling_factor + shift_factor, so training latents are the inverse of that.
-        mean, std = dist.mean.float(), dist.std.float()
-        eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32).to(mean.device)
-        return (mean + std * eps - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+        # the pipeline decodes latents / scaling_factor + shift_factor: training latents are the inverse
+        return vae_latents(dist, generator, self.vae.config.scaling_factor, self.vae.config.shift_factor)
 
     def image_seq_len(self, latents: torch.Tensor) -> int:
         """Image tokens: latent pixels / patch area, as the pipeline computes it for the shift."""
@@ -274,12 +267,9 @@ class ZImageAdapter(ModelAdapter):
         return [self.text_encoder]
 
     def encoder_identity(self, part: str) -> str:
-        module = {"image": self.vae, "text": self.text_encoder}[part]
-        config = module.config.to_json_string() if hasattr(module.config, "to_json_string") else str(module.config)
-        facts = f"{self.source}|{module.dtype}|{config}|{weights_fingerprint(module)}"
-        if part == "text":  # the template and the padded length shape the embeddings too
-            facts += f"|{self.tokenizer.chat_template}|{len(self.tokenizer)}|{self.max_sequence_length}"
-        return f"{self.arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+        # the chat template and the padded length shape the text embeddings too
+        extra = f"{self.tokenizer.chat_template}|{len(self.tokenizer)}|{self.max_sequence_length}" if part == "text" else ""
+        return encoder_identity(self.arch, part, self.source, {"image": self.vae, "text": self.text_encoder}[part], extra)
 
     # --- denoiser -----------------------------------------------------------------------------------------
 

@@ -84,7 +84,9 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
     encoders) are skipped with a warning."""
     state, metadata = read_safetensors(path)
     if not is_comfy_form(state, comfy_prefix, separator):
-        weights = {key: value for key, value in state.items() if key.startswith(prefix + ".")}
+        # peft-named files (`.lora_A.` / `.lora_B.`) are diffusers files too: one form from here on
+        weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+                   for key, value in state.items() if key.startswith(prefix + ".")}
         if not weights:
             raise ValueError(f"{path}: no adapter weights under `{prefix}.` or `{comfy_prefix}{separator}` (not an "
                              "adapter for this model family?)")
@@ -139,10 +141,8 @@ def load_pretrained(module: torch.nn.Module, path: Path, prefix: str, comfy_pref
     if problems:
         raise ValueError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets): "
                          + "; ".join(problems))
+    # DoRA too: its norm is taken of W + scale B A, so folding the ratio into B is exact
     ratios = {m: scales[m] / ours[m] for m in ours}
-    if getattr(module.peft_config["default"], "use_dora", False) and any(abs(r - 1) > 1e-9 for r in ratios.values()):
-        raise ValueError(f"network.pretrained_lora_path {path}: a DoRA file's alphas must equal the config's "
-                         "(DoRA deltas are not linear in the up weights)")
     load_lora_state(module, rescaled(weights, prefix, ratios), prefix)
     changed = sum(abs(r - 1) > 1e-9 for r in ratios.values())
     log.info("started the adapter from %s%s", path, f" ({changed} modules rescaled to this config's alphas)"
@@ -153,8 +153,9 @@ def write_comfy_file(path: Path, module: torch.nn.Module, prefix: str, comfy_pre
                      dtype: torch.dtype, metadata: dict[str, str], network_type: str, base_model: str) -> None:
     """The ComfyUI/kohya form of the trained adapter, with alphas and kohya's header keys."""
     weights, alphas = comfy_ready(lora_state_dict(module, prefix, torch.float32), prefix, module_scales(module))
-    state = {k: v.to(dtype) for k, v in to_comfy(weights, {prefix: comfy_prefix}, alphas.__getitem__,
-                                                  separator).items()}
+    # weights in the save dtype; alphas stay float32 (0.1 in bf16 would read back as 0.10009766)
+    state = {k: v if k.endswith(".alpha") else v.to(dtype)
+             for k, v in to_comfy(weights, {prefix: comfy_prefix}, alphas.__getitem__, separator).items()}
     config = module.peft_config["default"]
     alpha = getattr(config, "lora_alpha", getattr(config, "alpha", None))
     write_safetensors(path, state, {**metadata, **kohya_metadata(config.r, alpha, base_model, network_type)})

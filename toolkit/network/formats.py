@@ -53,7 +53,7 @@ def to_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], alpha_of:
         module, suffix = split_weight_key(rest, TO_COMFY)
         name = comfy_module_name(prefixes[component], module, separator)
         out[f"{name}.{TO_COMFY[suffix]}"] = value
-        out.setdefault(f"{name}.alpha", torch.tensor(float(alpha_of(module)), dtype=value.dtype))
+        out.setdefault(f"{name}.alpha", torch.tensor(float(alpha_of(module)), dtype=torch.float32))
     return out
 
 

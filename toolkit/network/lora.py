@@ -61,8 +61,10 @@ def build_network_config(cfg: NetworkConfig, linear_names: list[str], conv_names
                           init_lora_weights="gaussian", target_modules=targets, **patterns)
     config_class = {"lokr": LoKrConfig, "loha": LoHaConfig}[cfg.type]
     # peft's LyCORIS layers drop ranks and whole modules themselves (training mode only)
+    # LoKr rescales kept ranks only when asked (LoHa always does), as the schema promises
+    extra = {"rank_dropout_scale": True} if cfg.type == "lokr" else {}
     return config_class(r=cfg.linear, alpha=cfg.linear_alpha, rank_dropout=cfg.rank_dropout,
-                        module_dropout=cfg.module_dropout, target_modules=targets, **patterns)
+                        module_dropout=cfg.module_dropout, target_modules=targets, **extra, **patterns)
 
 
 def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[str],
@@ -84,12 +86,6 @@ def adapter_layers(module: torch.nn.Module) -> dict[str, BaseTunerLayer]:
     """The adapter's layers by full module name."""
     return {name: layer for name, layer in module.named_modules()
             if isinstance(layer, BaseTunerLayer) and ADAPTER in getattr(layer, "r", {})}
-
-
-def module_alphas(module: torch.nn.Module) -> dict[str, float]:
-    """Each adapted module's alpha (LoRA's lora_alpha, LyCORIS's alpha), by full module name."""
-    return {name: float((layer.lora_alpha if hasattr(layer, "lora_alpha") else layer.alpha)[ADAPTER])
-            for name, layer in adapter_layers(module).items()}
 
 
 def module_scales(module: torch.nn.Module) -> dict[str, float]:

@@ -1,0 +1,62 @@
+"""Pieces several model families share: placing frozen parts, VAE latents, and cache identities."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ..device import safe_module_to_device
+from .base import LatentDist
+
+
+def place_frozen(denoiser: torch.nn.Module, encoders: list[torch.nn.Module], device: torch.device, low_vram: bool,
+                 parked: list[torch.nn.Module] = ()) -> None:
+    """Freeze every part and set eval mode; the denoiser goes to `device`, the encoders too unless `low_vram`
+    (the trainer brings them when they work), and `parked` parts (sample-only) stay on the CPU."""
+    for module in (denoiser, *encoders, *parked):
+        module.requires_grad_(False)
+        module.eval()
+    safe_module_to_device(denoiser, device)
+    for module in encoders:
+        safe_module_to_device(module, "cpu" if low_vram else device)
+
+
+@torch.no_grad()
+def vae_latent_dist(vae, pixels: torch.Tensor) -> LatentDist:
+    """The VAE posterior of pixels in [-1, 1]: mean and std, before sampling."""
+    posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    return LatentDist(posterior.mean, posterior.std)
+
+
+def vae_latents(dist: LatentDist, generator: torch.Generator | None, scaling: float, shift: float = 0.0
+                ) -> torch.Tensor:
+    """A posterior sample as the denoiser sees it, (sample - shift) x scaling, float32. The noise is drawn on
+    a CPU generator, so it does not depend on the device."""
+    mean, std = dist.mean.float(), dist.std.float()
+    eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32).to(mean.device)
+    return (mean + std * eps - shift) * scaling
+
+
+def weights_fingerprint(module: torch.nn.Module, buffers: bool = False) -> str:
+    """A digest of a module's weights (each tensor's sum and norm), and of its floating-point buffers when
+    asked (e.g. BatchNorm statistics): a VAE or text encoder swapped in under the same path and config still
+    changes cache keys."""
+    tensors = list(module.parameters())
+    if buffers:
+        tensors += [b for b in module.buffers() if b.is_floating_point()]
+    with torch.no_grad():
+        stats = torch.stack([torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
+                             for p in tensors])
+    return hashlib.sha256(stats.cpu().numpy().round(6).tobytes()).hexdigest()[:16]
+
+
+def encoder_identity(arch: str, part: str, source: str, module: torch.nn.Module, extra: str = "",
+                     buffers: bool = False) -> str:
+    """The cache key of an encoder: its source, dtype, config and weights (plus `extra` facts that shape its
+    output, e.g. a chat template)."""
+    config = getattr(module, "config", None)
+    config = config.to_json_string() if hasattr(config, "to_json_string") else str(config)
+    dtype = next(module.parameters()).dtype
+    facts = f"{source}|{dtype}|{config}|{weights_fingerprint(module, buffers)}|{extra}"
+    return f"{arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
