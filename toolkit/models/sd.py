@@ -42,6 +42,8 @@ class SD15Adapter(ModelAdapter):
         unet_scale = 2 ** (len(unet.config.block_out_channels) - 1)
         self.divisor = vae_scale * unet_scale
         self._denoiser: torch.nn.Module = unet
+        #: the UNet's dtype, read once (diffusers' `.dtype` walks every submodule on each call)
+        self.compute_dtype = unet.dtype
 
     @classmethod
     def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -81,7 +83,8 @@ class SD15Adapter(ModelAdapter):
 
     @property
     def device(self) -> torch.device:
-        return self.unet.device
+        # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
+        return next(self.unet.parameters()).device
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
@@ -117,7 +120,7 @@ class SD15Adapter(ModelAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None) -> torch.Tensor:
-        unet_dtype = self.unet.dtype
+        unet_dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         return denoiser(noisy.to(unet_dtype), timesteps, encoder_hidden_states=embeds.embeds.to(unet_dtype)).sample
 

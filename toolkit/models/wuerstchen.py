@@ -177,6 +177,8 @@ class WuerstchenAdapter(ModelAdapter):
         self.sources = sources
         self.noise_schedule = WuerstchenNoiseSchedule(scheduler)
         self._denoiser: nn.Module = prior
+        #: the prior's dtype, read once (diffusers' `.dtype` walks every submodule on each call)
+        self.compute_dtype = prior.dtype
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -234,7 +236,8 @@ class WuerstchenAdapter(ModelAdapter):
 
     @property
     def device(self) -> torch.device:
-        return self.prior.device
+        # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
+        return next(self.prior.parameters()).device
 
     # ---- encoders ------------------------------------------------------------------------------
 
@@ -286,7 +289,7 @@ class WuerstchenAdapter(ModelAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: nn.Module | None = None) -> torch.Tensor:
-        dtype = self.prior.dtype
+        dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         ratio = timesteps.to(device=noisy.device, dtype=dtype)
         return denoiser(noisy.to(dtype), ratio, embeds.embeds.to(dtype))

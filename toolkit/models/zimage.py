@@ -199,7 +199,8 @@ class ZImageAdapter(ModelAdapter):
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.device
+        # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
+        return next(self.transformer.parameters()).device
 
     # --- text ---------------------------------------------------------------------------------------------
 

@@ -1,0 +1,267 @@
+"""difftune's speed and memory, measured side by side in one process so that a shared machine's noise cancels.
+
+    python -m benchmarks.run            # a few minutes on a laptop CPU
+    python -m benchmarks.run --quick    # about a minute
+    python -m benchmarks.run --json out.json
+
+Figures (tiny SD model on the shipped quickstart images unless --device cuda says otherwise):
+- overhead ratio: difftune's seconds per update (the real loop: data loader, seeded draws, metrics, control
+  checks) over a bare PyTorch loop doing the same forward, backward and optimizer step on the same modules and
+  batches; the two alternate in rounds and the medians are compared;
+- cache speed-up: seconds per update with the encoders live vs with latent and text-embedding caches;
+- start-up: seconds for the imports, the model load and the caches before the first update;
+- data loading: images per second through decode, bucket and crop with 0 and 2 workers;
+- peak memory: process RSS (and accelerator memory where there is one) after each phase.
+Nothing here asserts a speed; tests only check that the figures come out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+QUICKSTART_DATA = REPO / "config" / "examples" / "quickstart_data"
+
+
+def trainer_config(folder: Path, cached: bool, device: str, resolution: int) -> dict:
+    return {
+        "type": "sd_trainer", "training_folder": str(folder), "device": device, "trigger_word": "shp",
+        "network": {"linear": 4, "linear_alpha": 4},
+        "save": {"save_every": 0, "formats": ["diffusers"]},
+        "datasets": [{"folder_path": str(QUICKSTART_DATA), "resolution": [resolution], "num_repeats": 4,
+                      "cache_latents": cached, "cache_dir": str(folder / "cache")}],
+        "train": {"batch_size": 2, "steps": 100000, "lr": 1e-4, "dtype": "fp32", "cache_text_embeddings": cached},
+        "model": {"arch": "sd15", "name_or_path": "tiny"},
+        "logging": {"log_every": 10},
+    }
+
+
+def ready_trainer(folder: Path, cached: bool, device: str, resolution: int, timings: dict | None = None):
+    """A trainer set up exactly as `run()` does before its loop; `timings` gets the setup phases' seconds."""
+    import yaml
+
+    from jobs import build_registry, get_job
+    from toolkit.config import load_config
+
+    registry = build_registry(REPO / "extensions")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"bench_{int(cached)}.yaml"
+    body = {"name": f"bench_{int(cached)}", "process": [trainer_config(folder, cached, device, resolution)]}
+    path.write_text(yaml.safe_dump({"job": "extension", "config": body}))
+    config, path = load_config(str(path), registry)
+    trainer = get_job(config, path, registry).processes[0]
+    timed(trainer, "load_model", timings)
+    timed(trainer, "build_caches", timings)
+    trainer.setup_accelerator()
+    trainer.open_monitor()
+    trainer.setup()
+    trainer.open_run_folder()
+    trainer.open_metrics(resumed=False)
+    trainer.announce_plan()
+    return trainer
+
+
+def timed(trainer, name: str, timings: dict | None) -> None:
+    """Record how long the trainer's method `name` takes (an instance attribute wraps the class's method)."""
+    if timings is None:
+        return
+    method = getattr(trainer, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            timings[name] = time.perf_counter() - started
+
+    setattr(trainer, name, wrapper)
+
+
+def difftune_updates(trainer, updates: int) -> float:
+    """Seconds per update of the real training loop for `updates` more updates."""
+    from toolkit.signals import GracefulStop
+
+    trainer.plan = replace(trainer.plan, total_updates=trainer.position.global_step + updates)
+    started = time.perf_counter()
+    with GracefulStop() as trainer.stop:
+        trainer.train()
+    return (time.perf_counter() - started) / updates
+
+
+def bare_batches(trainer, count: int) -> list[tuple]:
+    """(latents, text embeddings) of the trainer's own first batches, as the bare loop consumes them."""
+    batches = []
+    for index, batch in enumerate(trainer.dataloader):
+        if index == count:
+            break
+        latents = trainer.batch_latents(batch, None).detach()
+        embeds = trainer.conditioning.embeds_for(batch["indices"].tolist(), 0).embeds.detach()
+        batches.append((latents, embeds))
+    return batches
+
+
+def bare_updates(trainer, batches: list[tuple], optimizer, updates: int) -> float:
+    """Seconds per update of a plain PyTorch loop: noise, timesteps, the UNet forward, MSE, backward, clip,
+    optimizer step, on the same module and batches."""
+    import torch
+
+    unet = trainer.adapter.trainable_module()
+    scheduler = trainer.adapter.scheduler
+    started = time.perf_counter()
+    for step in range(updates):
+        latents, embeds = batches[step % len(batches)]
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
+        prediction = unet(scheduler.add_noise(latents, noise, timesteps), timesteps, encoder_hidden_states=embeds).sample
+        loss = torch.nn.functional.mse_loss(prediction.float(), noise.float())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainer.lora_params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (time.perf_counter() - started) / updates
+
+
+def overhead_ratio(trainer, rounds: int, updates: int) -> dict:
+    """difftune vs bare, alternating rounds after one warm-up round of each."""
+    import torch
+
+    optimizer = torch.optim.AdamW(trainer.lora_params, lr=1e-4)
+    batches = bare_batches(trainer, 8)
+    difftune_updates(trainer, updates)
+    bare_updates(trainer, batches, optimizer, updates)
+    ours, bare = [], []
+    for _ in range(rounds):
+        ours.append(difftune_updates(trainer, updates))
+        bare.append(bare_updates(trainer, batches, optimizer, updates))
+    return {"difftune_s_per_update": statistics.median(ours), "bare_s_per_update": statistics.median(bare),
+            "overhead_ratio": statistics.median(ours) / statistics.median(bare)}
+
+
+def data_loading(workers: int, seconds: float, resolution: int) -> float:
+    """Images per second through the dataset (decode, bucket, crop) and the bucket sampler."""
+    import torch
+
+    from toolkit.config.schema import DatasetConfig
+    from toolkit.data.buckets import BucketBatchSampler
+    from toolkit.data.dataset import build_dataset, collate
+
+    dataset = build_dataset([DatasetConfig(folder_path=str(QUICKSTART_DATA), resolution=[resolution],
+                                           num_repeats=50)], "shp", 8)
+    sampler = BucketBatchSampler(dataset.bucket_keys(), 4, 0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers)
+    images, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for batch in loader:
+            images += len(batch["indices"])
+            if time.perf_counter() - started >= seconds:
+                break
+    return images / (time.perf_counter() - started)
+
+
+def import_seconds() -> float:
+    """A fresh interpreter importing the trainer (torch, diffusers, transformers, peft, accelerate)."""
+    code = "import time; t = time.perf_counter(); import jobs.process.sd_trainer; print(time.perf_counter() - t)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def memory() -> dict:
+    from toolkit.device import accelerator_memory, process_rss_bytes
+
+    out = {"rss_mib": round((process_rss_bytes() or 0) / 2**20, 1)}
+    if accelerator_memory():
+        out["accelerator_peak_mib"] = round(accelerator_memory()["peak"] / 2**20, 1)
+    return out
+
+
+#: (rounds, updates per round, image side, seconds per data-loading figure)
+QUICK, FULL = (3, 5, 64, 2.0), (7, 20, 96, 6.0)
+
+
+def measure(rounds: int, updates: int, resolution: int, loading_seconds: float, device: str) -> dict:
+    results: dict = {"machine": machine(), "settings": {"rounds": rounds, "updates_per_round": updates,
+                                                        "resolution": resolution, "device": device}}
+    results["startup"] = {"imports_s": import_seconds()}
+    with tempfile.TemporaryDirectory() as tmp:
+        timings: dict = {}
+        cached = ready_trainer(Path(tmp), True, device, resolution, timings)
+        results["startup"] |= {"model_load_s": timings["load_model"], "caching_s": timings["build_caches"]}
+        results["memory_after_setup"] = memory()
+        results["overhead"] = overhead_ratio(cached, rounds, updates)
+        results["memory_after_training"] = memory()
+        close(cached)
+        live = ready_trainer(Path(tmp) / "live", False, device, resolution)
+        difftune_updates(live, updates)  # warm-up
+        uncached = statistics.median(difftune_updates(live, updates) for _ in range(rounds))
+        close(live)
+        results["cache_speedup"] = {"uncached_s_per_update": uncached,
+                                    "cached_s_per_update": results["overhead"]["difftune_s_per_update"],
+                                    "speedup": uncached / results["overhead"]["difftune_s_per_update"]}
+    results["data_loading_images_per_s"] = {f"workers_{w}": data_loading(w, loading_seconds, resolution)
+                                            for w in (0, 2)}
+    return results
+
+
+def close(trainer) -> None:
+    trainer.metrics.close()
+    trainer.teardown_accelerator()
+
+
+def machine() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def table(results: dict) -> str:
+    o, c, s = results["overhead"], results["cache_speedup"], results["startup"]
+    rows = [
+        ("difftune s/update (cached)", f"{o['difftune_s_per_update']:.4f}"),
+        ("bare PyTorch s/update", f"{o['bare_s_per_update']:.4f}"),
+        ("uncached s/update", f"{c['uncached_s_per_update']:.4f}"),
+        ("cache speed-up", f"{c['speedup']:.2f}x"),
+        ("start-up: imports / model load / caching", f"{s['imports_s']:.1f} / {s['model_load_s']:.2f} / "
+                                                     f"{s['caching_s']:.2f} s"),
+        *[(f"data loading, {k.replace('_', ' ')}", f"{v:.0f} images/s")
+          for k, v in results["data_loading_images_per_s"].items()],
+        ("RSS after setup / after training", f"{results['memory_after_setup']['rss_mib']:.0f} / "
+                                             f"{results['memory_after_training']['rss_mib']:.0f} MiB"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    lines.append(f"overhead ratio: {o['overhead_ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer and shorter rounds (about a minute)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    results = measure(*(QUICK if args.quick else FULL), args.device)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
