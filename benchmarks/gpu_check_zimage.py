@@ -58,6 +58,25 @@ def job(folder: Path, model: str, sampling: str, args) -> Path:
     return path
 
 
+def qfloat8_bias_check(device: str) -> float:
+    """Relative error of a qfloat8 Linear (256 -> 512, with bias) quantized through toolkit.quantize against
+    its bf16 original on `device`: quanto's Marlin fp8 kernel (CUDA, capability 8+) drops the bias, which the
+    project's guard avoids; a large error here means the guard does not hold on this machine."""
+    from toolkit.quantize import quantize_blockwise
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(256, 512)).to(device, torch.bfloat16)
+    with torch.no_grad():
+        reference[0].bias.uniform_(1.0, 2.0)
+    quantized = torch.nn.Sequential(torch.nn.Linear(256, 512)).to(torch.bfloat16)
+    quantized.load_state_dict(reference.state_dict())
+    quantize_blockwise(quantized, "qfloat8", [quantized[0]], None, device)
+    x = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, got = reference(x).float(), quantized(x).float()
+    return float((got - want).norm() / want.norm())
+
+
 class Collect(logging.Handler):
     def __init__(self):
         super().__init__()
@@ -112,7 +131,9 @@ def main() -> int:
               f" {r.get('rss_after', 0) / mib:6.0f} MiB")
     if args.device == "cuda":
         print(f"peak allocated over the run: {torch.cuda.max_memory_allocated() / mib:.0f} MiB")
-    return 0
+    error = qfloat8_bias_check(args.device)
+    print(f"qfloat8 Linear with bias vs bf16, relative error: {error:.4f} (fine below 0.05)")
+    return 0 if error < 0.05 else 1
 
 
 if __name__ == "__main__":
