@@ -191,3 +191,12 @@ def test_control_needs_a_running_trainer(tmp_path):
     control.Status(state="finished", pid=os.getpid(), step=3, total=3).write(tmp_path)
     assert run.main(["--control", str(tmp_path), "stop"]) == 2
     assert not (tmp_path / "control").exists()
+
+
+def test_an_unreadable_status_file_is_replaced_not_fatal(tmp_path, registry, tiny_sd15):
+    run_dir = tmp_path / "output" / "odd"
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text("{not json")
+    assert run.main(["--status", str(run_dir)]) == 1
+    run_job(tmp_path, registry, "odd", trainer_process(tmp_path, train={"steps": 1}))
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"

@@ -77,10 +77,15 @@ class Status:
 
 
 def read_status(run_dir: Path) -> Status | None:
+    """The folder's status, or None where there is none or it is not one (a hand-edited or foreign file is
+    replaced by the next run rather than stopping it)."""
     path = run_dir / STATUS_FILE
     if not path.is_file():
         return None
-    return Status(**json.loads(path.read_text(encoding="utf-8")))
+    try:
+        return Status(**json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, TypeError):
+        return None
 
 
 def process_alive(pid: int) -> bool:
