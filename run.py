@@ -125,11 +125,11 @@ def convert_lora(args: argparse.Namespace) -> int:
     model's real module names (the model is loaded for that only)."""
     from toolkit.config.schema import ModelConfig
     from toolkit.models import get_adapter_class
-    from toolkit.network.files import convert_file, read_safetensors
+    from toolkit.network.files import convert_file, read_header
 
     source, target = Path(args.convert_lora[0]), Path(args.convert_lora[1])
     try:
-        _, header = read_safetensors(source)
+        header = read_header(source)
         arch = args.arch or header.get("difftune_arch")
         if arch is None:
             raise ValueError(f"{source}: its header does not name the model family; give --arch")

@@ -15,7 +15,6 @@ from toolkit.config import load_config
 from toolkit.data.dataset import build_dataset, load_pixels
 from toolkit.config.schema import DatasetConfig
 from toolkit.metrics import read_metrics
-from toolkit.models.sd import SD15Adapter
 
 UPDATES = 60
 

@@ -16,7 +16,6 @@ import logging
 import os
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 

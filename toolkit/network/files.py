@@ -25,6 +25,14 @@ log = logging.getLogger("difftune")
 SCALE_CARRIERS = ("lora.up.weight", "lora_B.weight", "lokr_w1", "lokr_w1_a", "hada_w1_a")
 
 
+def read_header(path: Path) -> dict[str, str]:
+    """A safetensors file's metadata alone (no tensors are read)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"adapter file not found: {path}")
+    with safe_open(str(path), "pt") as handle:
+        return handle.metadata() or {}
+
+
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if not path.is_file():
         raise FileNotFoundError(f"adapter file not found: {path}")
@@ -166,7 +174,7 @@ def convert_file(source: Path, target: Path, to: str, prefix: str, comfy_prefix:
     """Rewrite an adapter file in the other form; deltas unchanged. To diffusers, the scales are folded into
     the weights (alpha = rank, what every diffusers loader assumes without a header). Returns the modules."""
     weights, scales = read_adapter_file(source, prefix, comfy_prefix, separator, model_modules)
-    _, metadata = read_safetensors(source)
+    metadata = read_header(source)
     if to == "comfy":
         ready, alphas = comfy_ready(weights, prefix, scales)
         state = to_comfy(ready, {prefix: comfy_prefix}, alphas.__getitem__, separator)
