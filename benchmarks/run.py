@@ -104,7 +104,7 @@ def bare_batches(trainer, count: int) -> list[tuple]:
         if index == count:
             break
         latents = trainer.batch_latents(batch, None).detach()
-        embeds = trainer.conditioning.embeds_for(batch["indices"].tolist(), 0).embeds.detach()
+        embeds = trainer.conditioning.embeds_for(batch["indices"], 0).embeds.detach()
         batches.append((latents, embeds))
     return batches
 

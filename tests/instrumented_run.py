@@ -39,9 +39,9 @@ def wrapped(cls: type, name: str, wrap):
 
 def interrupt_after(step: int):
     def wrap(original):
-        def after_update(self, record, progress):
-            original(self, record, progress)
-            if record["step"] == step and self.is_main:
+        def after_update(self, update, progress):
+            original(self, update, progress)
+            if update.step == step and self.is_main:
                 os.kill(os.getpid(), signal.SIGINT)
         return after_update
 
@@ -50,9 +50,9 @@ def interrupt_after(step: int):
 
 def control_after(plan: dict[int, list[str]]):
     def wrap(original):
-        def after_update(self, record, progress):
-            original(self, record, progress)
-            for action in plan.get(record["step"], []) if self.is_main else []:
+        def after_update(self, update, progress):
+            original(self, update, progress)
+            for action in plan.get(update.step, []) if self.is_main else []:
                 subprocess.run([sys.executable, str(Path(run.__file__)), "--control", str(self.run_dir), action],
                                check=True, capture_output=True)
         return after_update
@@ -74,7 +74,7 @@ def fail_on_rank(rank: int):
 def record_indices(folder: Path):
     def wrap(original):
         def train_step(self, batch, epoch, micro_batch):
-            line = json.dumps({"epoch": epoch, "indices": batch["indices"].tolist()})
+            line = json.dumps({"epoch": epoch, "indices": batch["indices"]})
             with (folder / f"rank{self.accelerator.process_index}.jsonl").open("a") as handle:
                 handle.write(line + "\n")
             return original(self, batch, epoch, micro_batch)

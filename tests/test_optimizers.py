@@ -67,7 +67,7 @@ def test_relative_step_lr_stays_within_its_bounds():
         assert lrs == pytest.approx([1e-3, 1e-4])
         assert optimizer.get_avg_learning_rate() == pytest.approx(5.5e-4)
         measured = torch.stack([(p.detach() - b).pow(2).mean().sqrt() for p, b in zip((big, small), before)]).mean()
-        assert optimizer.last_update_rms == pytest.approx(float(measured), rel=1e-6)
+        assert float(optimizer.last_update_rms) == pytest.approx(float(measured), rel=1e-6)
 
 
 def test_manual_lr_uses_the_configured_lr():

@@ -35,6 +35,17 @@ def mixed_precision(name: str, device: torch.device) -> str:
     return {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor onto `device` without making the host wait: to CUDA it goes from pinned memory with
+    `non_blocking` (a blocking copy waits for all the work already queued on the device); the dtype changes
+    there. Anything else is a plain `.to`."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        moved = tensor.pin_memory().to(device, non_blocking=True)
+        return moved if dtype is None else moved.to(dtype)
+    return tensor.to(device=device, dtype=dtype)
+
+
 def flush() -> None:
     """Free cached memory (before saving, after sampling)."""
     gc.collect()

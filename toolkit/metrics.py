@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 
@@ -52,6 +53,30 @@ def truncate_after(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+class Throughput:
+    """Seconds per update and samples per second over the updates since the last reading.
+
+    Read when the logged values have just come to the host (which waits for the device), so the figure covers
+    the device's work too without timing each update by itself; time spent saving or sampling is left out
+    (`restart` after it)."""
+
+    def __init__(self, processes: int = 1) -> None:
+        self.processes = processes
+        self.restart()
+
+    def restart(self) -> None:
+        self.started, self.updates, self.samples = time.perf_counter(), 0, 0
+
+    def count(self, samples: int) -> None:
+        """One update done, over `samples` samples on this process."""
+        self.updates += 1
+        self.samples += samples
+
+    def read(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return {"time": elapsed / max(self.updates, 1), "samples_per_s": self.samples * self.processes / elapsed}
+
+
 class TimestepStats:
     """Sampled u values and their per-sample losses since the last metrics line, as a 10-bin histogram
     and the mean loss per bin (`logging.debug_timesteps`)."""
@@ -63,15 +88,17 @@ class TimestepStats:
         self.losses: list = []
 
     def add(self, u, losses) -> None:
-        self.u.append(u.detach().float().cpu())
-        self.losses.append(losses.detach().float().cpu())
+        # kept where they are until the flush (a logged update): reading them now would wait for the device
+        self.u.append(u.detach())
+        self.losses.append(losses.detach())
 
     def flush(self) -> dict:
         import torch
 
         if not self.u:
             return {}
-        u, losses = torch.cat(self.u), torch.cat(self.losses)
+        u = torch.cat([x.float().cpu() for x in self.u])
+        losses = torch.cat([x.float().cpu() for x in self.losses])
         self.u, self.losses = [], []
         bins = (u * self.BINS).long().clamp(0, self.BINS - 1)
         counts = torch.bincount(bins, minlength=self.BINS)

@@ -30,7 +30,7 @@ from toolkit.device import (
     safe_module_to_device,
     torch_dtype,
 )
-from toolkit.metrics import MetricsWriter, TimestepStats, truncate_after
+from toolkit.metrics import MetricsWriter, Throughput, TimestepStats, truncate_after
 from toolkit.models import ModelAdapter, get_adapter_class
 from toolkit.network.files import load_pretrained, write_comfy_file
 from toolkit.network.lora import (
@@ -62,6 +62,22 @@ class Position:
     global_step: int = 0
     epoch: int = 0
     micro_batch_in_epoch: int = 0
+
+
+@dataclass
+class UpdateValues:
+    """One update's loss parts and gradient norm, still on the device (averaged over processes): they come to
+    the host, in one transfer, only when the update is logged or the progress bar is due."""
+
+    step: int
+    epoch: int
+    scheduled_lr: float
+    names: list[str]
+    values: torch.Tensor  # one float32 value per name
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.values[self.names.index("loss")]
 
 
 class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
@@ -138,7 +154,9 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
         self.last_saved_step = -1
         self.stop = GracefulStop()
         self.stopping = False
-        self.smoothed_loss: float | None = None
+        self.smoothed_loss: torch.Tensor | None = None  # on the device, like the losses it follows
+        self.throughput = Throughput(self.accelerator.num_processes)
+        self.postfix_shown_at = 0.0
 
     def load_model(self) -> ModelAdapter:
         adapter_class = get_adapter_class(self.config.model.arch)
@@ -384,9 +402,11 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
         return enumerate(loader, start=skip)
 
     def train_epoch(self, progress: tqdm) -> None:
+        """The micro-batches of one epoch. Nothing in here reads a value back from the device except a logged
+        update (and the progress bar, at most once a second), so the host keeps queueing work ahead."""
         pos = self.position
         window: list[dict[str, torch.Tensor]] = []
-        started, samples = time.perf_counter(), 0
+        samples = 0
         for micro_batch, batch in self.epoch_batches():
             pos.micro_batch_in_epoch = micro_batch + 1
             samples += len(batch["indices"])
@@ -396,14 +416,13 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
                 window.append({"loss": loss.detach(), **parts})
                 if not self.accelerator.sync_gradients:
                     continue
-                record = self.optimizer_update(window)
-            if record is not None:
-                record["time"] = time.perf_counter() - started
-                record["samples_per_s"] = samples * self.accelerator.num_processes / record["time"]
-                self.after_update(record, progress)
+                update = self.optimizer_update(window)
+            if update is not None:
+                self.throughput.count(samples)
+                self.after_update(update, progress)
                 if pos.global_step >= self.plan.total_updates or self.steer():
                     return
-            window, started, samples = [], time.perf_counter(), 0
+            window, samples = [], 0
         pos.epoch += 1
         pos.micro_batch_in_epoch = 0
 
@@ -417,8 +436,9 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
         """The loss of one micro-batch and its named parts; the trainer subclass defines it."""
         raise NotImplementedError
 
-    def optimizer_update(self, window: list[dict[str, torch.Tensor]]) -> dict | None:
-        """Clip, step the optimizer and (once) the LR scheduler. None when the optimizer skipped the step."""
+    def optimizer_update(self, window: list[dict[str, torch.Tensor]]) -> UpdateValues | None:
+        """Clip, step the optimizer and (once) the LR scheduler. None when the optimizer skipped the step
+        (fp16 only: reading that flag is the one per-update wait for the device that GradScaler needs)."""
         max_norm = self.config.train.max_grad_norm or float("inf")
         grad_norm = self.accelerator.clip_grad_norm_(self.lora_params, max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
@@ -429,34 +449,59 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
             return None
         self.lr_scheduler.step()
         self.position.global_step += 1
-        record = {"step": self.position.global_step, "epoch": self.position.epoch}
-        rms = update_rms(self.optimizer)
-        if rms is not None:
-            record["update_rms"] = rms
-        for name in window[0]:  # every micro-batch of an update has the same parts, on every process
-            value = self.accelerator.reduce(torch.stack([parts[name] for parts in window]).mean(), reduction="mean")
-            record[name] = value.item()
-        return {**record, "lr": logged_lr(self.optimizer, lr), "grad_norm": float(grad_norm)}
+        names = list(window[0])  # every micro-batch of an update has the same parts, on every process
+        means = torch.stack([torch.stack([parts[name] for parts in window]).float().mean() for name in names])
+        if self.accelerator.num_processes > 1:
+            means = self.accelerator.reduce(means, reduction="mean")  # one collective, queued like the rest
+        grad_norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=means.device).reshape(1)
+        return UpdateValues(self.position.global_step, self.position.epoch, lr, names + ["grad_norm"],
+                            torch.cat([means, grad_norm]))
 
-    def after_update(self, record: dict, progress: tqdm) -> None:
-        step = record["step"]
-        self.smoothed_loss = record["loss"] if self.smoothed_loss is None else \
-            self.smoothed_loss + 0.1 * (record["loss"] - self.smoothed_loss)
-        if step % self.config.logging.log_every == 0 or step == self.plan.total_updates:
-            if self.timestep_stats is not None:
-                record.update(self.timestep_stats.flush())
-            record.update(memory_fields())
-            self.metrics.write(record)
-            if self.config.logging.tensorboard:
-                self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+    def after_update(self, update: UpdateValues, progress: tqdm) -> None:
+        step = update.step
+        loss = update.loss
+        self.smoothed_loss = loss if self.smoothed_loss is None else self.smoothed_loss + 0.1 * (loss - self.smoothed_loss)
+        logged = step % self.config.logging.log_every == 0 or step == self.plan.total_updates
+        postfix_due = self.progress_enabled and time.monotonic() - self.postfix_shown_at >= 1.0
+        if logged or postfix_due:
+            record = self.host_record(update)
+            if logged:
+                self.log_record(record)
+            if postfix_due:
+                progress.set_postfix(loss=f"{record['smoothed_loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                     s_it=f"{record['time']:.2f}", refresh=False)
+                self.postfix_shown_at = time.monotonic()
+            if logged:
+                self.throughput.restart()
         progress.update(1)
-        progress.set_postfix(loss=f"{self.smoothed_loss:.4f}", lr=f"{record['lr']:.2e}",
-                             s_it=f"{record['time']:.2f}", refresh=False)
         self.monitor.heartbeat(step)
         if self.config.save.save_every and step % self.config.save.save_every == 0:
             self.save_checkpoint()
         if self.config.sample.sample_every and step % self.config.sample.sample_every == 0:
             self.sample(step)
+
+    def host_record(self, update: UpdateValues) -> dict:
+        """The update's values on the host (one transfer, which waits for the device), with the LR it used
+        and the throughput since the last logged update."""
+        values = torch.cat([update.values, self.smoothed_loss.float().reshape(1)]).tolist()
+        record = {"step": update.step, "epoch": update.epoch, **dict(zip(update.names, values[:-1]))}
+        record["smoothed_loss"] = values[-1]
+        record["lr"] = logged_lr(self.optimizer, update.scheduled_lr)
+        rms = update_rms(self.optimizer)
+        if rms is not None:
+            record["update_rms"] = float(rms)
+        return record | self.throughput.read()
+
+    def log_record(self, record: dict) -> None:
+        """A metrics.jsonl line (and TensorBoard scalars) for a logged update."""
+        record = {k: v for k, v in record.items() if k != "smoothed_loss"}
+        if self.timestep_stats is not None:
+            record.update(self.timestep_stats.flush())
+        record.update(memory_fields())
+        self.metrics.write(record)
+        if self.config.logging.tensorboard:
+            self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                                 step=record["step"])
 
     def stop_with_checkpoint(self) -> None:
         if self.last_saved_step != self.position.global_step:
@@ -536,6 +581,7 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
         if self.is_main:
             log.info("saved checkpoint %s", folder)
             self.write_report()
+        self.throughput.restart()  # saving is not training time
 
     def finish(self) -> None:
         step = self.position.global_step

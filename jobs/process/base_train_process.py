@@ -10,7 +10,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
 
 from toolkit import checkpoint
 from toolkit.device import mixed_precision
@@ -24,8 +24,18 @@ class RunFolderError(RuntimeError):
     """The run folder holds work this run would overwrite."""
 
 
+def host_process_group(processes: int):
+    """A CPU (gloo) process group for the small decisions all processes share every update (stop, save,
+    sample): a collective over the accelerator's NCCL group would make the host wait for the work queued
+    before it. None with one process, or where the default group is already gloo."""
+    if processes == 1 or torch.distributed.get_backend() == "gloo":
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
 class BaseTrainProcess(BaseProcess):
     accelerator: Accelerator
+    host_group = None
 
     @property
     def run_dir(self) -> Path:
@@ -70,11 +80,17 @@ class BaseTrainProcess(BaseProcess):
             log_with="tensorboard" if tensorboard else None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir),
                                                 logging_dir=str(self.run_dir / "tensorboard")),
+            # batches come from pinned memory (see the DataLoader); their copies need not stop the host
+            dataloader_config=DataLoaderConfiguration(non_blocking=device.type == "cuda"),
         )
+        self.host_group = host_process_group(self.accelerator.num_processes)
         return self.accelerator
 
     def teardown_accelerator(self) -> None:
         """Forget accelerate's process-wide state so the next job of this process can choose its own."""
+        if self.host_group is not None:
+            torch.distributed.destroy_process_group(self.host_group)
+            self.host_group = None
         AcceleratorState._reset_state(reset_partial_state=False)
         GradientState._reset_state()
 

@@ -6,6 +6,7 @@ from functools import cached_property
 
 import torch
 
+from toolkit.device import to_device
 from toolkit.models.base import LatentDist, PromptEmbeds
 from toolkit.train.losses import min_snr_weights, mse_loss, noise_offset, per_sample_loss, weighted_mean
 from toolkit.train.seeding import seeded_generator
@@ -29,11 +30,12 @@ class SDTrainer(BaseSDTrainProcess):
             return seeded_generator(train.seed, purpose, *where)
 
         latents = self.batch_latents(batch, draws("latent_sample"))
-        embeds = self.conditioning.embeds_for(batch["indices"].tolist(), epoch)
-        noise = noise_offset(torch.randn(latents.shape, generator=draws("noise")), train.noise_offset,
-                             draws("noise_offset")).to(latents.device)
+        embeds = self.conditioning.embeds_for(batch["indices"], epoch)
+        # drawn on the host (the same numbers on every device type), sent without waiting for the device
+        noise = to_device(noise_offset(torch.randn(latents.shape, generator=draws("noise")), train.noise_offset,
+                                       draws("noise_offset")), latents.device)
         u, sampler_weight = self.draw_timesteps(latents, draws("timestep"))
-        timesteps = schedule.timesteps(u).to(latents.device)
+        timesteps = to_device(schedule.timesteps(u), latents.device)
         noisy = schedule.add_noise(latents, noise, timesteps)
         with_blank = self.blank_prompt_due()
         prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank)
@@ -115,6 +117,6 @@ def concat_embeds(embeds: PromptEmbeds, blank: PromptEmbeds | None, batch: int) 
         return tensor.expand(batch, *tensor.shape[1:]) if tensor is not None and tensor.shape[0] == 1 else tensor
 
     device = embeds.embeds.device
-    masks = [rows(p.attention_mask) for p in parts]
-    mask = torch.cat([m.to(device) for m in masks]) if all(m is not None for m in masks) else None
+    masks = [rows(p.attention_mask) for p in parts]  # host tensors (see PromptEmbeds)
+    mask = torch.cat(masks) if all(m is not None for m in masks) else None
     return PromptEmbeds(torch.cat([rows(p.embeds).to(device) for p in parts]), mask)

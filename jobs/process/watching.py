@@ -60,11 +60,12 @@ class WatchedRun:
         requests the main process found become one decision everywhere. `save` and `sample` act now (and the
         run goes on); returns whether to stop, which every process then does after this same update."""
         wanted = self.monitor.take_requests()
-        flags = torch.tensor([float(self.stop.requested or wanted["stop"]), float(wanted["save"]),
-                              float(wanted["sample"])], device=self.accelerator.device)
+        stop, save, sample = self.stop.requested or wanted["stop"], wanted["save"], wanted["sample"]
         if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags, reduction="sum")
-        stop, save, sample = (value > 0 for value in flags.tolist())
+            # host flags over the host (gloo) group: nothing here waits for the accelerator's queued work
+            flags = torch.tensor([stop, save, sample], dtype=torch.int32)
+            torch.distributed.all_reduce(flags, group=self.host_group)
+            stop, save, sample = (value > 0 for value in flags.tolist())
         if save and self.last_saved_step != self.position.global_step:
             log.info("control: saving a checkpoint at step %d", self.position.global_step)
             self.save_checkpoint()
@@ -96,6 +97,7 @@ class WatchedRun:
             flush()
             self.write_report()
         self.accelerator.wait_for_everyone()
+        self.throughput.restart()  # sampling is not training time
 
     def sampling_conditioning(self) -> list[dict | None]:
         """The prompts' conditioning, computed first where the family can, with an offloaded text encoder

@@ -144,7 +144,8 @@ def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: 
 
 def collate(samples: list[dict]) -> dict:
     """Stack a batch; every sample must have the same fields and tensor shapes (one bucket)."""
-    batch = {"captions": [s["caption"] for s in samples], "indices": torch.tensor([s["index"] for s in samples])}
+    # indices stay a list: a tensor would be sent to the device with the batch and read back from it
+    batch = {"captions": [s["caption"] for s in samples], "indices": [s["index"] for s in samples]}
     for field in ("pixels", "latent_mean", "latent_std"):
         present = [s[field] for s in samples if field in s]
         if not present:

@@ -9,20 +9,23 @@ from typing import Any, ClassVar
 import torch
 
 from ..config.schema import ModelConfig
+from ..device import to_device
 
 
 @dataclass
 class PromptEmbeds:
     """Text conditioning of a batch: per-token embeddings, a mask where the family uses one, and each
-    prompt's token count (start and end tokens included) for token shuffling of cached embeddings."""
+    prompt's token count (start and end tokens included) for token shuffling of cached embeddings.
+
+    The mask and the lengths stay on the host (`to` moves the embeddings only): they decide shapes, which
+    is the host's business, and reading them from the device would stop it once per micro-batch."""
 
     embeds: torch.Tensor
     attention_mask: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PromptEmbeds:
-        mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return PromptEmbeds(self.embeds.to(device=device, dtype=dtype), mask, self.lengths)
+        return PromptEmbeds(to_device(self.embeds, device, dtype), self.attention_mask, self.lengths)
 
 
 @dataclass

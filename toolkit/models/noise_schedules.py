@@ -4,9 +4,12 @@ its family's own timestep."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from diffusers import DDPMScheduler, DDPMWuerstchenScheduler
 
+from ..device import to_device
 from ..train.losses import snr_from_alphas_cumprod, snr_from_flow_sigmas
 from .base import NoiseSchedule
 
@@ -34,7 +37,7 @@ class DDPMNoiseSchedule(NoiseSchedule):
         return self.scheduler.get_velocity(latents, noise, timesteps)
 
     def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
-        return snr_from_alphas_cumprod(self.scheduler.alphas_cumprod, timesteps.cpu())
+        return snr_from_alphas_cumprod(self.scheduler.alphas_cumprod, timesteps)
 
 
 class FlowMatchNoiseSchedule(NoiseSchedule):
@@ -59,7 +62,7 @@ class FlowMatchNoiseSchedule(NoiseSchedule):
         return noise - latents
 
     def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
-        return snr_from_flow_sigmas(self.sigmas(timesteps).cpu())
+        return snr_from_flow_sigmas(self.sigmas(timesteps))
 
 
 class WuerstchenNoiseSchedule(NoiseSchedule):
@@ -70,15 +73,26 @@ class WuerstchenNoiseSchedule(NoiseSchedule):
     def __init__(self, scheduler: DDPMWuerstchenScheduler | None = None, t_max: float = 0.999):
         self.scheduler = DDPMWuerstchenScheduler() if scheduler is None else scheduler  # it has a broken __len__
         self.t_max = t_max
+        self._per_device: dict[torch.device, DDPMWuerstchenScheduler] = {}
 
     def timesteps(self, u: torch.Tensor) -> torch.Tensor:
         return u.float() * self.t_max
 
+    def scheduler_on(self, device: torch.device) -> DDPMWuerstchenScheduler:
+        """The scheduler with its two constants already on `device`: it keeps them on the host and copies
+        them on every call, which would make the host wait for the device once per micro-batch."""
+        if device not in self._per_device:
+            clone = copy.copy(self.scheduler)
+            clone.s = to_device(self.scheduler.s, device)
+            clone._init_alpha_cumprod = to_device(self.scheduler._init_alpha_cumprod, device)
+            self._per_device[device] = clone
+        return self._per_device[device]
+
     def alphas_cumprod(self, timesteps: torch.Tensor) -> torch.Tensor:
-        return self.scheduler._alpha_cumprod(timesteps.float().cpu(), torch.device("cpu"))
+        return self.scheduler_on(timesteps.device)._alpha_cumprod(timesteps.float(), timesteps.device)
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        return self.scheduler.add_noise(latents, noise, timesteps)
+        return self.scheduler_on(latents.device).add_noise(latents, noise, timesteps)
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         return noise

@@ -20,7 +20,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipe
 from transformers import AutoTokenizer, Qwen3Model
 
 from ..config.schema import ModelConfig
-from ..device import memory_debug, safe_module_to_device
+from ..device import memory_debug, safe_module_to_device, to_device
 from ..network.lora import merge_lora_state
 from ..paths import normalize_path
 from ..quantize import quantize_blockwise
@@ -220,10 +220,10 @@ class ZImageAdapter(ModelAdapter):
         tokens = self.tokenizer([self.chat_prompt(p) for p in prompts], padding="max_length",
                                 max_length=self.max_sequence_length, truncation=True, return_tensors="pt")
         device = self.text_encoder.device
-        mask = tokens.attention_mask.to(device).bool()
-        hidden = self.text_encoder(input_ids=tokens.input_ids.to(device), attention_mask=mask,
+        mask = tokens.attention_mask.bool()
+        hidden = self.text_encoder(input_ids=tokens.input_ids.to(device), attention_mask=mask.to(device),
                                    output_hidden_states=True).hidden_states[-2]
-        return PromptEmbeds(hidden, mask, mask.sum(dim=1).cpu())
+        return PromptEmbeds(hidden, mask, mask.sum(dim=1))
 
     def overlong_prompts(self, prompts: list[str]) -> list[int]:
         texts = [self.chat_prompt(p) for p in prompts]
@@ -236,8 +236,9 @@ class ZImageAdapter(ModelAdapter):
         rows = embeds.embeds.to(dtype)
         if embeds.attention_mask is None:
             return list(rows.unbind(0))
-        mask = embeds.attention_mask.to(rows.device).bool()
-        return [row[keep] for row, keep in zip(rows, mask)]
+        # the kept positions come from the host mask: a boolean index on the device would wait for it
+        kept = [keep.nonzero().squeeze(1) for keep in embeds.attention_mask.cpu().bool()]
+        return [row.index_select(0, to_device(index, rows.device)) for row, index in zip(rows, kept)]
 
     # --- images -------------------------------------------------------------------------------------------
 

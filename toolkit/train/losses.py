@@ -12,6 +12,8 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
+from ..device import to_device
+
 LossType = Literal["mse", "mae", "pseudo_huber"]
 PredictionType = Literal["epsilon", "v_prediction", "flow_matching"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
@@ -53,7 +55,7 @@ def weighted_mean(per_sample: torch.Tensor, *weights: torch.Tensor | None) -> to
     total = per_sample.float()
     for weight in weights:
         if weight is not None:
-            total = total * weight.to(device=total.device, dtype=torch.float32)
+            total = total * to_device(weight, total.device, torch.float32)
     return total.mean()
 
 
@@ -62,7 +64,7 @@ def weighted_mean(per_sample: torch.Tensor, *weights: torch.Tensor | None) -> to
 
 def snr_from_alphas_cumprod(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
     """DDPM: SNR(t) = alpha_bar_t / (1 - alpha_bar_t), one value per sample's integer t."""
-    alpha_bar = alphas_cumprod.to(timesteps.device).float()[timesteps.long()]
+    alpha_bar = to_device(alphas_cumprod, timesteps.device).float()[timesteps.long()]
     return alpha_bar / (1.0 - alpha_bar)
 
 

@@ -53,5 +53,6 @@ class BoundedAdafactor(Adafactor):
         before = [p.detach().clone() for p in params]
         loss = super().step(closure)
         rms = [(p.detach() - old).float().pow(2).mean().sqrt() for p, old in zip(params, before)]
-        self.last_update_rms = float(torch.stack(rms).mean()) if rms else 0.0
+        # a device scalar: read only when the update is logged
+        self.last_update_rms = torch.stack(rms).mean() if rms else torch.zeros(())
         return loss
