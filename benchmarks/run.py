@@ -32,20 +32,22 @@ sys.path.insert(0, str(REPO))
 QUICKSTART_DATA = REPO / "config" / "examples" / "quickstart_data"
 
 
-def trainer_config(folder: Path, cached: bool, device: str, resolution: int) -> dict:
+def trainer_config(folder: Path, cached: bool, device: str, resolution: int, compile_backend: str | None = None) -> dict:
     return {
         "type": "sd_trainer", "training_folder": str(folder), "device": device, "trigger_word": "shp",
         "network": {"linear": 4, "linear_alpha": 4},
         "save": {"save_every": 0, "formats": ["diffusers"]},
         "datasets": [{"folder_path": str(QUICKSTART_DATA), "resolution": [resolution], "num_repeats": 4,
                       "cache_latents": cached, "cache_dir": str(folder / "cache")}],
-        "train": {"batch_size": 2, "steps": 100000, "lr": 1e-4, "dtype": "fp32", "cache_text_embeddings": cached},
+        "train": {"batch_size": 2, "steps": 100000, "lr": 1e-4, "dtype": "fp32", "cache_text_embeddings": cached,
+                  "compile": compile_backend is not None, "compile_backend": compile_backend or "inductor"},
         "model": {"arch": "sd15", "name_or_path": "tiny"},
         "logging": {"log_every": 10},
     }
 
 
-def ready_trainer(folder: Path, cached: bool, device: str, resolution: int, timings: dict | None = None):
+def ready_trainer(folder: Path, cached: bool, device: str, resolution: int, timings: dict | None = None,
+                  compile_backend: str | None = None):
     """A trainer set up exactly as `run()` does before its loop; `timings` gets the setup phases' seconds."""
     import yaml
 
@@ -54,8 +56,9 @@ def ready_trainer(folder: Path, cached: bool, device: str, resolution: int, timi
 
     registry = build_registry(REPO / "extensions")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"bench_{int(cached)}.yaml"
-    body = {"name": f"bench_{int(cached)}", "process": [trainer_config(folder, cached, device, resolution)]}
+    name = f"bench_{int(cached)}" + (f"_{compile_backend}" if compile_backend else "")
+    path = folder / f"{name}.yaml"
+    body = {"name": name, "process": [trainer_config(folder, cached, device, resolution, compile_backend)]}
     path.write_text(yaml.safe_dump({"job": "extension", "config": body}))
     config, path = load_config(str(path), registry)
     trainer = get_job(config, path, registry).processes[0]
@@ -94,7 +97,16 @@ def difftune_updates(trainer, updates: int) -> float:
     started = time.perf_counter()
     with GracefulStop() as trainer.stop:
         trainer.train()
+    finish_queued_work()
     return (time.perf_counter() - started) / updates
+
+
+def finish_queued_work() -> None:
+    """On a GPU the host runs ahead of the device: a figure is taken once the queued work is done."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def bare_batches(trainer, count: int) -> list[tuple]:
@@ -127,6 +139,7 @@ def bare_updates(trainer, batches: list[tuple], optimizer, updates: int) -> floa
         torch.nn.utils.clip_grad_norm_(trainer.lora_params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    finish_queued_work()
     return (time.perf_counter() - started) / updates
 
 
@@ -144,6 +157,19 @@ def overhead_ratio(trainer, rounds: int, updates: int) -> dict:
         bare.append(bare_updates(trainer, batches, optimizer, updates))
     return {"difftune_s_per_update": statistics.median(ours), "bare_s_per_update": statistics.median(bare),
             "overhead_ratio": statistics.median(ours) / statistics.median(bare)}
+
+
+def compiled_figures(rounds: int, updates: int, resolution: int, device: str, backend: str, eager: float) -> dict:
+    """`train.compile` on the cached job: the first epoch (every bucket shape compiles once) and the steady
+    seconds per update after it, against the eager figure measured earlier in this process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = ready_trainer(Path(tmp), True, device, resolution, compile_backend=backend)
+        first_epoch = trainer.plan.updates_per_epoch
+        compiling = difftune_updates(trainer, first_epoch) * first_epoch
+        steady = statistics.median(difftune_updates(trainer, updates) for _ in range(rounds))
+        close(trainer)
+    return {"backend": backend, "first_epoch_s": compiling, "first_epoch_updates": first_epoch,
+            "compiled_s_per_update": steady, "eager_s_per_update": eager, "speedup": eager / steady}
 
 
 def data_loading(workers: int, seconds: float, resolution: int) -> float:
@@ -187,7 +213,8 @@ def memory() -> dict:
 QUICK, FULL = (3, 5, 64, 2.0), (7, 20, 96, 6.0)
 
 
-def measure(rounds: int, updates: int, resolution: int, loading_seconds: float, device: str) -> dict:
+def measure(rounds: int, updates: int, resolution: int, loading_seconds: float, device: str,
+            compile_backend: str | None = None) -> dict:
     results: dict = {"machine": machine(), "settings": {"rounds": rounds, "updates_per_round": updates,
                                                         "resolution": resolution, "device": device}}
     results["startup"] = {"imports_s": import_seconds()}
@@ -206,6 +233,9 @@ def measure(rounds: int, updates: int, resolution: int, loading_seconds: float, 
         results["cache_speedup"] = {"uncached_s_per_update": uncached,
                                     "cached_s_per_update": results["overhead"]["difftune_s_per_update"],
                                     "speedup": uncached / results["overhead"]["difftune_s_per_update"]}
+    if compile_backend:
+        results["compile"] = compiled_figures(rounds, updates, resolution, device, compile_backend,
+                                              results["overhead"]["difftune_s_per_update"])
     results["data_loading_images_per_s"] = {f"workers_{w}": data_loading(w, loading_seconds, resolution)
                                             for w in (0, 2)}
     return results
@@ -241,6 +271,11 @@ def table(results: dict) -> str:
         ("RSS after setup / after training", f"{results['memory_after_setup']['rss_mib']:.0f} / "
                                              f"{results['memory_after_training']['rss_mib']:.0f} MiB"),
     ]
+    if "compile" in results:
+        k = results["compile"]
+        rows += [(f"compiled ({k['backend']}) s/update", f"{k['compiled_s_per_update']:.4f} "
+                                                         f"({k['speedup']:.2f}x eager)"),
+                 ("compiled first epoch (compiling)", f"{k['first_epoch_s']:.1f} s for {k['first_epoch_updates']} updates")]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     lines.append(f"overhead ratio: {o['overhead_ratio']:.3f}")
@@ -252,11 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer and shorter rounds (about a minute)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                        help="also measure train.compile (default backend inductor; its first compile on a CPU "
+                             "takes minutes)")
     args = parser.parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    results = measure(*(QUICK if args.quick else FULL), args.device)
+    results = measure(*(QUICK if args.quick else FULL), args.device, args.compile)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

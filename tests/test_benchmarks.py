@@ -4,23 +4,55 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+import benchmarks.run
 from benchmarks.run import main, measure, table
 
 
-def test_benchmark_figures_come_out(tmp_path, tiny_sd15, monkeypatch):
-    results = measure(rounds=1, updates=2, resolution=64, loading_seconds=0.2, device="cpu")
-    overhead = results["overhead"]
+@pytest.fixture(scope="module")
+def figures(tiny_sd15):
+    # aot_eager: the same compile path as inductor without its code generation (minutes on a CPU)
+    return measure(rounds=1, updates=2, resolution=64, loading_seconds=0.2, device="cpu",
+                   compile_backend="aot_eager")
+
+
+def test_benchmark_figures_come_out(figures):
+    overhead = figures["overhead"]
     assert overhead["difftune_s_per_update"] > 0 and overhead["bare_s_per_update"] > 0
     assert overhead["overhead_ratio"] == overhead["difftune_s_per_update"] / overhead["bare_s_per_update"]
-    assert results["cache_speedup"]["uncached_s_per_update"] > 0
-    assert {"imports_s", "model_load_s", "caching_s"} <= set(results["startup"])
-    assert set(results["data_loading_images_per_s"]) == {"workers_0", "workers_2"}
-    assert results["memory_after_training"]["rss_mib"] > 0
-    assert f"overhead ratio: {overhead['overhead_ratio']:.3f}" in table(results)
+    assert figures["cache_speedup"]["uncached_s_per_update"] > 0
+    assert {"imports_s", "model_load_s", "caching_s"} <= set(figures["startup"])
+    assert set(figures["data_loading_images_per_s"]) == {"workers_0", "workers_2"}
+    assert figures["memory_after_training"]["rss_mib"] > 0
+    assert f"overhead ratio: {overhead['overhead_ratio']:.3f}" in table(figures)
 
 
-def test_benchmark_command_writes_json(tmp_path, tiny_sd15, monkeypatch, capsys):
-    monkeypatch.setattr("benchmarks.run.QUICK", (1, 1, 64, 0.1))
-    assert main(["--quick", "--json", str(tmp_path / "bench.json")]) == 0
-    assert "overhead ratio: " in capsys.readouterr().out
-    assert "overhead" in json.loads((tmp_path / "bench.json").read_text())
+def test_compile_figures_come_out(figures):
+    compiled = figures["compile"]
+    assert compiled["backend"] == "aot_eager" and compiled["first_epoch_updates"] > 0
+    assert compiled["compiled_s_per_update"] > 0 and compiled["first_epoch_s"] > 0
+    assert compiled["speedup"] == compiled["eager_s_per_update"] / compiled["compiled_s_per_update"]
+    assert "compiled (aot_eager) s/update" in table(figures)
+
+
+def test_benchmark_command_prints_the_table_and_writes_json(tmp_path, figures, monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(benchmarks.run, "measure", lambda *args: asked.append(args) or figures)
+    assert main(["--quick", "--compile", "--json", str(tmp_path / "bench.json")]) == 0
+    assert asked == [(*benchmarks.run.QUICK, "cpu", "inductor")]
+    assert f"overhead ratio: {figures['overhead']['overhead_ratio']:.3f}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bench.json").read_text())["compile"]["backend"] == "aot_eager"
+
+
+def test_full_size_script_runs_the_real_job_path_on_tiny_presets(tmp_path, tiny_cache):
+    from benchmarks.full_size import main as full_size
+
+    out = tmp_path / "full.json"
+    assert full_size(["--size", "tiny", "--device", "cpu", "--updates", "3", "--warmup", "1", "--images", "2",
+                      "--rank", "4", "--json", str(out)]) == 0
+    models = json.loads(out.read_text())["models"]
+    assert set(models) == {"sd15", "zimage"}
+    for result in models.values():
+        assert result["s_per_update"] > 0 and result["loop_s"] > 0 and result["build_s"] > 0
+        assert result["trainable_params_m"] > 0 and len(result["loss_first_last"]) == 2

@@ -125,9 +125,16 @@ def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_pat
     """171 samples, batch 4, 2 processes, accumulation 5: 43 batches -> 22 per process -> 5 updates per epoch."""
     schedule = {"batch_size": 4, "gradient_accumulation": 5, "lr_scheduler": "cosine_with_restarts",
                 "lr_scheduler_params": {"num_cycles": 2}}
-    by_epochs, _, log = run_launched(tmp_path, "by_epochs", 2, 171, steps=None, epochs=6, **schedule)
-    assert "updates per epoch                    5" in log
-    by_steps, _, _ = run_launched(tmp_path, "by_steps", 2, 171, steps=30, **schedule)
+    # both jobs in one launch (a job's processes run in turn, each into its own training folder)
+    data = make_images(tmp_path / "data_171", 171)
+    jobs = [trainer_process(tmp_path, trigger_word=None, training_folder=str(tmp_path / folder),
+                            datasets=[{"folder_path": str(data), "resolution": [32]}],
+                            train={"lr": LR, **schedule, **train})
+            for folder, train in (("by_epochs", {"steps": None, "epochs": 6}), ("by_steps", {"steps": 30}))]
+    result = launch(write_job(tmp_path / "both.yaml", "lr", *jobs), 2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "updates per epoch                    5" in result.stderr
+    by_epochs, by_steps = (read_metrics(tmp_path / folder / "lr" / "metrics.jsonl") for folder in ("by_epochs", "by_steps"))
     lrs = [r["lr"] for r in by_epochs]
     assert len(lrs) == 30 and lrs == pytest.approx([r["lr"] for r in by_steps])
     assert lrs[15] == pytest.approx(LR) and lrs[14] < LR * 0.05  # the restart

@@ -256,7 +256,7 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
             batch_sampler=self.batch_sampler,
             collate_fn=collate,
             num_workers=self.config.train.num_workers,
-            persistent_workers=self.config.train.num_workers > 0,
+            persistent_workers=self.config.train.num_workers > 0 and self.config.train.persistent_workers,
             pin_memory=self.accelerator.device.type == "cuda",
             # Each new iterator draws a worker seed; its own generator keeps that draw out of the global
             # RNG, so a resumed run (which starts an iterator mid-epoch) sees the same global RNG stream.
@@ -385,6 +385,7 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
             self.sample(step=0)
         progress = tqdm(total=self.plan.total_updates, initial=self.position.global_step, desc="train",
                         unit="step", disable=not self.progress_enabled)
+        self.throughput.restart()
         # `stopping` is only ever set from the collective check, so every process leaves together
         while self.position.global_step < self.plan.total_updates and not self.stopping:
             self.train_epoch(progress)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,12 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 
 from toolkit import checkpoint
 from toolkit.device import mixed_precision
@@ -82,9 +88,22 @@ class BaseTrainProcess(BaseProcess):
                                                 logging_dir=str(self.run_dir / "tensorboard")),
             # batches come from pinned memory (see the DataLoader); their copies need not stop the host
             dataloader_config=DataLoaderConfiguration(non_blocking=device.type == "cuda"),
+            dynamo_plugin=self.dynamo_plugin(),
         )
         self.host_group = host_process_group(self.accelerator.num_processes)
         return self.accelerator
+
+    def dynamo_plugin(self) -> TorchDynamoPlugin:
+        """torch.compile as `train.compile` says: the job file decides, not accelerate's launch settings."""
+        train = self.config.train
+        launcher = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+        if launcher != "no" and not train.compile:
+            log.warning("the launcher asks for torch.compile (dynamo backend %s); this job's train.compile is "
+                        "false, so the model is not compiled", launcher)
+        # static shapes: each bucket shape compiles once. Automatic dynamic shapes compiled far slower here and
+        # failed in inductor on the SD UNet's resampling sizes (torch 2.14).
+        return TorchDynamoPlugin(backend=train.compile_backend if train.compile else "no", mode="default",
+                                 fullgraph=False, dynamic=False, use_regional_compilation=False)
 
     def teardown_accelerator(self) -> None:
         """Forget accelerate's process-wide state so the next job of this process can choose its own."""

@@ -323,11 +323,21 @@ class TrainConfig(Section):
     differential_guidance_scale: float | None = Field(
         None, gt=0, description="Train toward pred + s (target - pred): s > 1 pushes further toward the target.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trained model.")
+    compile: bool = Field(False, description="torch.compile the trained model (through accelerate, after the DDP "
+                          "wrap): the first updates (and each new bucket shape) wait for the compiler, later ones "
+                          "run faster where the backend helps. Measured figures: docs/performance.md.")
+    compile_backend: Literal["inductor", "aot_eager", "eager", "cudagraphs"] = Field(
+        "inductor", description="torch.compile backend for `compile`: inductor generates fused kernels; aot_eager "
+        "and eager only trace (quick checks that the model compiles at all)."
+    )
     cache_text_embeddings: bool = Field(False, description="Encode every distinct caption once before training "
                                         "(cached in the datasets' cache folders), then move the text encoder "
                                         "off the accelerator.", json_schema_extra=aka("cache_text_encoder_outputs"))
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.",
                              json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
+    persistent_workers: bool = Field(True, description="Keep the DataLoader workers alive between epochs "
+                                     "(with num_workers > 0) instead of starting them again each epoch.",
+                                     json_schema_extra=aka("persistent_data_loader_workers"))
     resume: bool | str = Field(
         "auto",
         description="`auto`: continue from the newest complete checkpoint of this run, if any. A path: continue "
@@ -406,7 +416,9 @@ class SampleConfig(Section):
 class LoggingConfig(Section):
     """What is logged."""
 
-    log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every N steps.")
+    log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every N steps (and always for the last). "
+                           "Only logged updates read values back from the GPU, so N > 1 also lets the host run "
+                           "further ahead of it.")
     debug_timesteps: bool = Field(False, description="Add a 10-bin histogram of the sampled u and the mean loss "
                                   "per bin to each metrics line (main process's draws).")
     tensorboard: bool = Field(False, description="Also log the metrics to TensorBoard (<run>/tensorboard/), through "

@@ -16,7 +16,7 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
-from ..device import memory_debug
+from ..device import memory_debug, to_device
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
 from .common import encoder_identity, place_frozen, vae_latent_dist, vae_latents
@@ -95,7 +95,7 @@ class SD15Adapter(ModelAdapter):
             truncation=True,
             return_tensors="pt",
         )
-        embeds = self.text_encoder(tokens.input_ids.to(self.text_encoder.device))[0]
+        embeds = self.text_encoder(to_device(tokens.input_ids, self.text_encoder.device))[0]
         return PromptEmbeds(embeds, lengths=tokens.attention_mask.sum(dim=1))
 
     def overlong_prompts(self, prompts: list[str]) -> list[int]:

@@ -86,7 +86,9 @@ def byte_level_clip_tokenizer(max_length: int = 77):
     return tokenizer
 
 
-def _build_tiny_sd15(folder: Path, preset: dict) -> None:
+def build_sd15(folder: Path, preset: dict) -> None:
+    """A random SD 1.x pipeline folder with the preset's sizes (tiny here; benchmarks/full_size.py passes SD 1.5's
+    own), created on the current default device and dtype."""
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -146,4 +148,4 @@ def ensure_tiny(name: str, preset: dict, build: Callable[[Path, dict], None]) ->
 
 def ensure_tiny_sd15(preset: dict = TINY_SD15) -> Path:
     """The folder of the tiny SD 1.x model, built on first use."""
-    return ensure_tiny("sd15", preset, _build_tiny_sd15)
+    return ensure_tiny("sd15", preset, build_sd15)

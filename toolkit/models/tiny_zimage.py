@@ -120,7 +120,9 @@ def _tiny_text_encoder(config: dict, tokenizer):
                                   eos_token_id=tokenizer.eos_token_id, **config))
 
 
-def _build_tiny_zimage(folder: Path, preset: dict) -> None:
+def build_zimage(folder: Path, preset: dict) -> None:
+    """A random Z-Image pipeline folder with the preset's sizes, created on the current default device and
+    dtype (benchmarks/full_size.py builds the full-size one on the GPU)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
     tokenizer = byte_level_qwen_tokenizer()
@@ -139,9 +141,9 @@ def _build_tiny_zimage(folder: Path, preset: dict) -> None:
 
 def ensure_tiny_zimage(preset: dict = TINY_ZIMAGE) -> Path:
     """The folder of the tiny Z-Image model, built on first use."""
-    return ensure_tiny("zimage", preset, _build_tiny_zimage)
+    return ensure_tiny("zimage", preset, build_zimage)
 
 
 def ensure_tiny_zimage_turbo(preset: dict = TINY_ZIMAGE_TURBO) -> Path:
     """The tiny model with a second transformer (other weights, same text encoder, tokenizer and VAE)."""
-    return ensure_tiny("zimage", preset, _build_tiny_zimage)
+    return ensure_tiny("zimage", preset, build_zimage)

@@ -26,7 +26,7 @@ from torchvision.models import efficientnet
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from ..config.schema import ModelConfig
-from ..device import memory_debug
+from ..device import memory_debug, to_device
 from ..paths import normalize_path
 from .base import LatentDist, ModelAdapter, PromptEmbeds
 from .common import encoder_identity, place_frozen
@@ -246,7 +246,7 @@ class WuerstchenAdapter(ModelAdapter):
         tokens = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
                                 truncation=True, return_tensors="pt")
         device = self.text_encoder.device
-        output = self.text_encoder(tokens.input_ids.to(device), attention_mask=tokens.attention_mask.to(device))
+        output = self.text_encoder(to_device(tokens.input_ids, device), attention_mask=to_device(tokens.attention_mask, device))
         return PromptEmbeds(output.last_hidden_state, lengths=tokens.attention_mask.sum(dim=1))
 
     def overlong_prompts(self, prompts: list[str]) -> list[int]:

@@ -221,7 +221,7 @@ class ZImageAdapter(ModelAdapter):
                                 max_length=self.max_sequence_length, truncation=True, return_tensors="pt")
         device = self.text_encoder.device
         mask = tokens.attention_mask.bool()
-        hidden = self.text_encoder(input_ids=tokens.input_ids.to(device), attention_mask=mask.to(device),
+        hidden = self.text_encoder(input_ids=to_device(tokens.input_ids, device), attention_mask=to_device(mask, device),
                                    output_hidden_states=True).hidden_states[-2]
         return PromptEmbeds(hidden, mask, mask.sum(dim=1))
 

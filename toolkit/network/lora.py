@@ -17,6 +17,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
 from ..config.schema import NetworkConfig
+from ..device import to_device
 
 #: peft adapter name of the trained adapter, and of a merged assistant LoRA while it is being merged
 ADAPTER = "default"
@@ -260,7 +261,7 @@ def add_lora_dropouts(module: torch.nn.Module, rank_dropout: float, module_dropo
             return output * 0.0  # not zeros_like: the layer stays in the graph, so DDP sees its (zero) grads
         if rank_dropout:
             shape = (output.shape[0],) + (1,) * (output.dim() - 2) + (output.shape[-1],)
-            keep = (torch.rand(shape) >= rank_dropout).to(output.device, output.dtype)
+            keep = to_device(torch.rand(shape) >= rank_dropout, output.device, output.dtype)  # host draw, no wait
             return output * keep / (1 - rank_dropout)
         return output
 

@@ -1,0 +1,264 @@
+"""Full-size speed and memory on a CUDA machine: random-init models with the real architectures, trained for a
+few dozen updates through difftune's real job path, so the figures compare with published ones.
+
+    python -m benchmarks.full_size                          # SD 1.5 at 512 px, then Z-Image at 1024 px
+    python -m benchmarks.full_size --models zimage --updates 40 --json zimage.json
+    python -m benchmarks.full_size --size tiny --device cpu # the same path on the tiny presets (a smoke test)
+
+Per model it builds a diffusers folder on the device (random weights: no download, nothing to license), writes
+a few synthetic images with captions, runs one job (latent and text-embedding caches, batch 1, LoRA, gradient
+checkpointing, bf16, AdamW 8-bit; Z-Image with its transformer quantized to qfloat8) and prints:
+- s/update: the median of the logged updates after the first few (compilation, cache warm-up);
+- peak accelerator memory while training (the peak counter is reset when the loop starts) and over the whole
+  run (model load and caching included);
+- wall seconds of each phase: building the random model, the job's set-up, the training loop.
+
+Z-Image's text encoder keeps Qwen3-4B's width (the transformer's caption input) but only a few of its layers:
+it runs only while the text embeddings are cached, so training figures do not depend on its depth, and the
+whole script stays within ten minutes on one H100/H200-class GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+#: SD 1.5's UNet, VAE and CLIP ViT-L/14 text encoder (runwayml/stable-diffusion-v1-5 configs)
+SD15_FULL = {
+    "unet": dict(
+        sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+        block_out_channels=(320, 640, 1280, 1280),
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32,
+    ),
+    "vae": dict(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, norm_num_groups=32,
+        block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, sample_size=512, scaling_factor=0.18215,
+    ),
+    "text_encoder": dict(
+        hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+        max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+    ),
+    "scheduler": dict(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        prediction_type="epsilon", clip_sample=False, steps_offset=1,
+    ),
+    "seed": 0,
+}
+
+#: Z-Image's 6B transformer (diffusers' defaults are Tongyi-MAI/Z-Image's config), the Flux VAE, and a
+#: Qwen3-4B-wide text encoder with 4 of its 36 layers (see the module docstring)
+ZIMAGE_FULL = {
+    "transformer": dict(
+        all_patch_size=[2], all_f_patch_size=[1], in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
+        n_heads=30, n_kv_heads=30, qk_norm=True, cap_feat_dim=2560, axes_dims=[32, 48, 48],
+        axes_lens=[1536, 512, 512],
+    ),
+    "text_encoder": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=4, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+    ),
+    "vae": dict(
+        in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, norm_num_groups=32,
+        block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ),
+    "scheduler": {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0},
+    "seed": 0,
+    "shared_seed": 0,
+}
+
+
+def presets(size: str) -> dict[str, dict]:
+    """Per model: its preset, the builder, the training resolution and the model keys of the job."""
+    from toolkit.models.tiny import TINY_SD15, build_sd15
+    from toolkit.models.tiny_zimage import TINY_ZIMAGE, build_zimage
+
+    full = size == "full"
+    return {
+        "sd15": {"preset": SD15_FULL if full else TINY_SD15, "build": build_sd15, "resolution": 512 if full else 64,
+                 "model": {"arch": "sd15"}},
+        "zimage": {"preset": ZIMAGE_FULL if full else TINY_ZIMAGE, "build": build_zimage,
+                   "resolution": 1024 if full else 64,
+                   "model": {"arch": "zimage", "quantize": True, "qtype": "qfloat8"}},
+    }
+
+
+@contextmanager
+def built_on(device: str):
+    """Modules created inside are created on `device` (bf16 on CUDA): a 6B model initialises in seconds there
+    instead of minutes on the host, and is written in the dtype it trains in."""
+    import torch
+
+    dtype = torch.get_default_dtype()
+    if device == "cuda":
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def write_images(folder: Path, count: int, size: int) -> None:
+    """Smooth random colour fields with captions (what they look like does not change the speed)."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        coarse = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        Image.fromarray(coarse).resize((size, size), Image.BICUBIC).save(folder / f"img_{index:02d}.png")
+        (folder / f"img_{index:02d}.txt").write_text(f"a photo of shp number {index}, colourful blur")
+
+
+def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Path:
+    import yaml
+
+    cuda = args.device == "cuda"
+    process = {
+        "type": "sd_trainer", "training_folder": str(folder / "output"), "device": args.device,
+        "trigger_word": "shp",
+        "network": {"linear": args.rank, "linear_alpha": args.rank},
+        "save": {"save_every": 0, "formats": ["diffusers"]},
+        "datasets": [{"folder_path": str(folder / "data"), "resolution": [spec["resolution"]],
+                      "cache_latents": True, "cache_dir": str(folder / "cache")}],
+        "train": {"batch_size": 1, "steps": args.updates, "lr": 1e-4, "dtype": "bf16" if cuda else "fp32",
+                  "optimizer": "adamw8bit" if cuda else "adamw", "gradient_checkpointing": True,
+                  "cache_text_embeddings": True, "compile": args.compile},
+        "model": {**spec["model"], "name_or_path": str(model_path), "dtype": "bf16" if cuda else "fp32"},
+        "logging": {"log_every": 1},
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"job": "extension", "config": {"name": name, "process": [process]}}))
+    return path
+
+
+def run_job(path: Path) -> tuple[dict, object]:
+    """Run the job; the training loop's wall seconds and accelerator peak (reset when it starts) come back."""
+    import torch
+
+    from jobs import build_registry, get_job
+    from toolkit.config import load_config
+
+    registry = build_registry(REPO / "extensions")
+    config, path = load_config(str(path), registry)
+    job = get_job(config, path, registry)
+    trainer = job.processes[0]
+    loop: dict = {}
+    train = trainer.train
+
+    def measured_train():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        train()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            loop["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        loop["seconds"] = time.perf_counter() - started
+
+    trainer.train = measured_train
+    job.run()
+    return loop, trainer
+
+
+def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
+    import torch
+
+    from toolkit.metrics import read_metrics
+
+    folder = scratch / name
+    result: dict = {"resolution": spec["resolution"], "updates": args.updates, "rank": args.rank,
+                    "size": args.size, "compile": args.compile}
+    started = time.perf_counter()
+    with built_on(args.device):
+        spec["build"](folder / "model", spec["preset"])
+    result["build_s"] = time.perf_counter() - started
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the built model's memory goes back before the job measures its own
+    write_images(folder / "data", args.images, spec["resolution"])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    loop, trainer = run_job(job_file(folder, name, folder / "model", spec, args))
+    result["job_s"] = time.perf_counter() - started
+    result["setup_s"] = result["job_s"] - loop["seconds"]
+    result["loop_s"] = loop["seconds"]
+    records = read_metrics(folder / "output" / name / "metrics.jsonl")
+    steady = [r["time"] for r in records[args.warmup:]] or [r["time"] for r in records]
+    result["s_per_update"] = statistics.median(steady)
+    result["loss_first_last"] = [records[0]["loss"], records[-1]["loss"]]
+    result["trainable_params_m"] = sum(p.numel() for p in trainer.lora_params) / 1e6
+    if torch.cuda.is_available():
+        result["peak_training_gib"] = loop["peak_gib"]
+        result["peak_overall_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def table(results: dict) -> str:
+    lines = []
+    for name, r in results["models"].items():
+        memory = (f", peak {r['peak_training_gib']:.2f} GiB training / {r['peak_overall_gib']:.2f} GiB overall"
+                  if "peak_training_gib" in r else "")
+        lines.append(f"{name} {r['resolution']}px rank {r['rank']}: {r['s_per_update']:.3f} s/update{memory}; "
+                     f"build {r['build_s']:.0f} s, set-up {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s "
+                     f"({r['updates']} updates), loss {r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["sd15", "zimage"], choices=["sd15", "zimage"])
+    parser.add_argument("--size", default="full", choices=["full", "tiny"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--updates", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="logged updates left out of the median")
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--compile", action="store_true", help="train.compile: true")
+    parser.add_argument("--scratch", help="folder for models, images and runs (default: a temporary one)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (after each model)")
+    args = parser.parse_args(argv)
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --size tiny --device cpu for a smoke run)")
+    from benchmarks.run import machine
+
+    results: dict = {"machine": machine(), "models": {}}
+    specs = presets(args.size)
+    with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
+        for name in args.models:
+            results["models"][name] = measure_model(name, specs[name], args, Path(scratch))
+            print(table({"models": {name: results["models"][name]}}), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
