@@ -8,10 +8,11 @@ few dozen updates through difftune's real job path, so the figures compare with 
 Per model it builds a diffusers folder on the device (random weights: no download, nothing to license), writes
 a few synthetic images with captions, runs one job (latent and text-embedding caches, batch 1, LoRA, gradient
 checkpointing, bf16, AdamW 8-bit; Z-Image with its transformer quantized to qfloat8) and prints:
-- s/update: the median of the logged updates after the first few (compilation, cache warm-up);
+- s/update: the median over metrics lines (one per `LOG_EVERY` updates, each the mean of its updates, so the
+  loop runs as it does for users, reading values back only on logged updates) after the first line;
 - peak accelerator memory while training (the peak counter is reset when the loop starts) and over the whole
   run (model load and caching included);
-- wall seconds of each phase: building the random model, the job's set-up, the training loop.
+- wall seconds of each phase: building the random model, the job's set-up, the training loop, the final saves.
 
 Z-Image's text encoder keeps Qwen3-4B's width (the transformer's caption input) but only a few of its layers:
 it runs only while the text embeddings are cached, so training figures do not depend on its depth, and the
@@ -32,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+LOG_EVERY = 5
 
 #: SD 1.5's UNet, VAE and CLIP ViT-L/14 text encoder (runwayml/stable-diffusion-v1-5 configs)
 SD15_FULL = {
@@ -141,7 +143,7 @@ def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Pat
                   "optimizer": "adamw8bit" if cuda else "adamw", "gradient_checkpointing": True,
                   "cache_text_embeddings": True, "compile": args.compile},
         "model": {**spec["model"], "name_or_path": str(model_path), "dtype": "bf16" if cuda else "fp32"},
-        "logging": {"log_every": 1},
+        "logging": {"log_every": LOG_EVERY},
     }
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"job": "extension", "config": {"name": name, "process": [process]}}))
@@ -149,7 +151,8 @@ def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Pat
 
 
 def run_job(path: Path) -> tuple[dict, object]:
-    """Run the job; the training loop's wall seconds and accelerator peak (reset when it starts) come back."""
+    """Run the job; when the training loop started and ended, and the accelerator peaks before it and during it
+    (the counter is reset when it starts) come back."""
     import torch
 
     from jobs import build_registry, get_job
@@ -165,13 +168,14 @@ def run_job(path: Path) -> tuple[dict, object]:
     def measured_train():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+            loop["peak_before_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
-        started = time.perf_counter()
+        loop["started"] = time.perf_counter()
         train()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             loop["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        loop["seconds"] = time.perf_counter() - started
+        loop["ended"] = time.perf_counter()
 
     trainer.train = measured_train
     job.run()
@@ -198,9 +202,10 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     loop, trainer = run_job(job_file(folder, name, folder / "model", spec, args))
-    result["job_s"] = time.perf_counter() - started
-    result["setup_s"] = result["job_s"] - loop["seconds"]
-    result["loop_s"] = loop["seconds"]
+    ended = time.perf_counter()
+    result["setup_s"] = loop["started"] - started
+    result["loop_s"] = loop["ended"] - loop["started"]
+    result["finish_s"] = ended - loop["ended"]
     records = read_metrics(folder / "output" / name / "metrics.jsonl")
     steady = [r["time"] for r in records[args.warmup:]] or [r["time"] for r in records]
     result["s_per_update"] = statistics.median(steady)
@@ -208,7 +213,7 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
     result["trainable_params_m"] = sum(p.numel() for p in trainer.lora_params) / 1e6
     if torch.cuda.is_available():
         result["peak_training_gib"] = loop["peak_gib"]
-        result["peak_overall_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_overall_gib"] = max(loop["peak_before_gib"], torch.cuda.max_memory_allocated() / 2**30)
     del trainer
     gc.collect()
     if torch.cuda.is_available():
@@ -222,7 +227,7 @@ def table(results: dict) -> str:
         memory = (f", peak {r['peak_training_gib']:.2f} GiB training / {r['peak_overall_gib']:.2f} GiB overall"
                   if "peak_training_gib" in r else "")
         lines.append(f"{name} {r['resolution']}px rank {r['rank']}: {r['s_per_update']:.3f} s/update{memory}; "
-                     f"build {r['build_s']:.0f} s, set-up {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s "
+                     f"build {r['build_s']:.0f} s, set-up {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s, saves {r['finish_s']:.0f} s "
                      f"({r['updates']} updates), loss {r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f}")
     return "\n".join(lines)
 
@@ -233,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--updates", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="logged updates left out of the median")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help=f"metrics lines (of {LOG_EVERY} updates each) left out of the median")
     parser.add_argument("--images", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--compile", action="store_true", help="train.compile: true")

@@ -95,6 +95,14 @@ def test_values_come_to_the_host_once_per_logged_update_only(tmp_path, registry,
     assert len(records) == 4 and device_values.reads == ["tolist"] * 4
 
 
+def test_the_progress_bar_reads_the_loss_at_most_once_a_second(tmp_path, registry, device_values, monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE")
+    monkeypatch.setattr("jobs.process.base_sd_train_process.time.monotonic", lambda: 1000.0)  # time stands still
+    _, records = train(tmp_path, registry, "bar", train={"steps": 12}, logging={"log_every": 6})
+    # update 1 for the bar (its first showing), then only the logged updates 6 and 12
+    assert len(records) == 2 and device_values.reads == ["tolist"] * 3
+
+
 def test_logged_time_is_the_mean_since_the_last_logged_update():
     throughput = Throughput(processes=2)
     for _ in range(4):
@@ -135,9 +143,12 @@ def test_compile_trains_the_same_lora_through_a_compiled_model(tmp_path, registr
     # aot_eager traces and runs the same graph as inductor would compile, without the C++ code generation
     settings = {"steps": 3, "batch_size": 2, "lr": 1e-3}
     eager, eager_records = train(tmp_path / "eager", registry, "eager", train=settings)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     compiled, records = train(tmp_path / "compiled", registry, "compiled",
                               train={**settings, "compile": True, "compile_backend": "aot_eager"})
     assert isinstance(compiled.trained_module, torch._dynamo.eval_frame.OptimizedModule)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # really compiled, not silently eager
     assert not isinstance(eager.trained_module, torch._dynamo.eval_frame.OptimizedModule)
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in eager_records], rel=1e-4)
     ours = load_file(tmp_path / "compiled" / "output" / "compiled" / "compiled.safetensors")

@@ -38,7 +38,8 @@ def mixed_precision(name: str, device: torch.device) -> str:
 def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host tensor onto `device` without making the host wait: to CUDA it goes from pinned memory with
     `non_blocking` (a blocking copy waits for all the work already queued on the device); the dtype changes
-    there. Anything else is a plain `.to`."""
+    there. Anything else is a plain `.to`. The copy may still be running on return: do not change `tensor` in
+    place afterwards (a tensor that is already pinned is copied from directly)."""
     device = torch.device(device)
     if device.type == "cuda" and tensor.device.type == "cpu":
         moved = tensor.pin_memory().to(device, non_blocking=True)

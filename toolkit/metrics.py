@@ -67,9 +67,10 @@ class Throughput:
     def restart(self) -> None:
         self.started, self.updates, self.samples = time.perf_counter(), 0, 0
 
-    def count(self, samples: int) -> None:
-        """One update done, over `samples` samples on this process."""
-        self.updates += 1
+    def count(self, samples: int, completed: bool = True) -> None:
+        """One update's `samples` on this process; `completed` is false for a step the optimizer skipped
+        (fp16 overflow): its samples and time count, but not as an update."""
+        self.updates += int(completed)
         self.samples += samples
 
     def read(self) -> dict[str, float]:

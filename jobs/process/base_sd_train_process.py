@@ -418,8 +418,8 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
                 if not self.accelerator.sync_gradients:
                     continue
                 update = self.optimizer_update(window)
+            self.throughput.count(samples, completed=update is not None)
             if update is not None:
-                self.throughput.count(samples)
                 self.after_update(update, progress)
                 if pos.global_step >= self.plan.total_updates or self.steer():
                     return

@@ -33,8 +33,9 @@ class RunFolderError(RuntimeError):
 def host_process_group(processes: int):
     """A CPU (gloo) process group for the small decisions all processes share every update (stop, save,
     sample): a collective over the accelerator's NCCL group would make the host wait for the work queued
-    before it. None with one process, or where the default group is already gloo."""
-    if processes == 1 or torch.distributed.get_backend() == "gloo":
+    before it. None with one process. Its own group also where the default one is gloo (CPU runs), so the
+    code that GPU runs depend on is the code the CPU runs exercise."""
+    if processes == 1:
         return None
     return torch.distributed.new_group(backend="gloo")
 

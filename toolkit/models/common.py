@@ -6,7 +6,7 @@ import hashlib
 
 import torch
 
-from ..device import safe_module_to_device
+from ..device import safe_module_to_device, to_device
 from .base import LatentDist
 
 
@@ -34,7 +34,7 @@ def vae_latents(dist: LatentDist, generator: torch.Generator | None, scaling: fl
     """A posterior sample as the denoiser sees it, (sample - shift) x scaling, float32. The noise is drawn on
     a CPU generator, so it does not depend on the device."""
     mean, std = dist.mean.float(), dist.std.float()
-    eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32).to(mean.device)
+    eps = to_device(torch.randn(mean.shape, generator=generator, dtype=torch.float32), mean.device)
     return (mean + std * eps - shift) * scaling
 
 

@@ -7,6 +7,8 @@ picks in relative-step mode (per parameter, every update), `get_avg_learning_rat
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.optimization import Adafactor
 
@@ -30,7 +32,15 @@ class BoundedAdafactor(Adafactor):
 
     @staticmethod
     def _get_lr(param_group, param_state):
-        lr = Adafactor._get_lr(param_group, param_state)  # a tensor when scaled by the parameter's RMS
+        """transformers' Adafactor LR, with the parameter-RMS scale kept on the device: its
+        `max(eps, RMS)` compares a device scalar on the host, a wait for the GPU once per parameter."""
+        lr = param_group["lr"]
+        if param_group["relative_step"]:
+            min_step = 1e-6 * param_state["step"] if param_group["warmup_init"] else 1e-2
+            lr = min(min_step, 1.0 / math.sqrt(param_state["step"]))
+        if param_group["scale_parameter"]:
+            rms, eps = param_state["RMS"], param_group["eps"][1]
+            lr = (rms.clamp(min=eps) if torch.is_tensor(rms) else max(eps, rms)) * lr
         if param_group["relative_step"]:
             low, high = param_group["min_lr"], param_group["max_lr"]
             lr = lr.clamp(low, high) if torch.is_tensor(lr) else min(max(lr, low), high)
