@@ -472,8 +472,6 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
                 progress.set_postfix(loss=f"{record['smoothed_loss']:.4f}", lr=f"{record['lr']:.2e}",
                                      s_it=f"{record['time']:.2f}", refresh=False)
                 self.postfix_shown_at = time.monotonic()
-            if logged:
-                self.throughput.restart()
         progress.update(1)
         self.monitor.heartbeat(step)
         if self.config.save.save_every and step % self.config.save.save_every == 0:
@@ -494,7 +492,7 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
         return record | self.throughput.read()
 
     def log_record(self, record: dict) -> None:
-        """A metrics.jsonl line (and TensorBoard scalars) for a logged update."""
+        """A metrics.jsonl line (and TensorBoard scalars) for a logged update; the throughput window restarts."""
         record = {k: v for k, v in record.items() if k != "smoothed_loss"}
         if self.timestep_stats is not None:
             record.update(self.timestep_stats.flush())
@@ -503,6 +501,7 @@ class BaseSDTrainProcess(WatchedRun, BaseTrainProcess):
         if self.config.logging.tensorboard:
             self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
                                  step=record["step"])
+        self.throughput.restart()  # the next line's time and samples/s count from here
 
     def stop_with_checkpoint(self) -> None:
         if self.last_saved_step != self.position.global_step:
