@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", help="fills [name] in the job files")
     parser.add_argument("--recover", action="store_true", help="go on with the next job after a failure")
     parser.add_argument("--quiet", action="store_true", help="no progress bars (logs still go to stderr)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error too (also: "
+                        "DIFFTUNE_DEBUG=1)")
     parser.add_argument("--control", nargs=2, metavar=("RUN_FOLDER", "ACTION"),
                         help="ask the run training in RUN_FOLDER to stop (saving a checkpoint), save or sample now")
     parser.add_argument("--status", metavar="RUN_FOLDER", help="print the state of the run in RUN_FOLDER")
@@ -49,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_tool(args: argparse.Namespace) -> int:
     """--control / --status / --report: small file operations on a run folder, no model loads."""
-    from toolkit import control
-    from toolkit.report import write_report
+    from toolkit.run import control
+    from toolkit.run.report import write_report
 
     if args.convert_lora is not None:
         return convert_lora(args)
@@ -92,39 +94,73 @@ def distributed() -> bool:
 
 
 def run_jobs(args: argparse.Namespace) -> int:
-    from jobs import build_registry, get_job
-    from jobs.process.base_process import StopRequested
-    from toolkit.config import ConfigError, load_config
+    """Every job file is read and checked (schema, then paths) before the first one starts, and before any training
+    library is imported: a typo in the third file fails in a second, not after two trainings."""
+    from jobs.registry import build_registry
+    from toolkit.config.loader import check_paths, load_config
+    from toolkit.errors import UserError
 
     registry = build_registry(ROOT / "extensions")
-    failed = []
+    loaded, failed = [], []
     for arg in args.configs:
         try:
             config, path = load_config(arg, registry, name=args.name, config_root=ROOT / "config")
-            get_job(config, path, registry).run()
-        except StopRequested as stop:
-            log.info("%s", stop)
+            check_paths(config, path)
+            loaded.append((arg, config, path))
+        except UserError as err:
+            report_user_error(err, args)
+            failed.append(arg)
+    if failed and not args.recover:
+        log.error("failed: %s", ", ".join(failed))
+        return 1
+    for arg, config, path in loaded:
+        outcome = run_job(arg, config, path, registry, args)
+        if outcome == "stopped":
             return 0
-        except ConfigError as err:
-            log.error("%s", err)
+        if outcome == "failed":
             failed.append(arg)
-        except Exception:
-            log.exception("job %s failed", arg)
-            failed.append(arg)
-        if failed and (not args.recover or distributed()):
-            if args.recover and distributed():
-                log.error("--recover does not apply under a multi-process launch: a failed process stops the launch")
-            break
+            if not args.recover or distributed():
+                if args.recover:
+                    log.error("--recover does not apply under a multi-process launch: a failed process stops the "
+                              "launch")
+                break
     if failed:
         log.error("failed: %s", ", ".join(failed))
     return 1 if failed else 0
 
 
+def run_job(arg: str, config, path: Path, registry, args: argparse.Namespace) -> str:
+    """One job: "finished", "failed", or "stopped" (Ctrl-C, --control stop: the whole command ends cleanly)."""
+    from jobs.job import get_job
+    from jobs.process.base_process import StopRequested
+    from toolkit.errors import UserError
+
+    try:
+        get_job(config, path, registry).run()
+    except StopRequested as stop:
+        log.info("%s", stop)
+        return "stopped"
+    except UserError as err:
+        report_user_error(err, args)
+        return "failed"
+    except Exception:
+        log.exception("job %s failed", arg)
+        return "failed"
+    return "finished"
+
+
+def report_user_error(err: Exception, args: argparse.Namespace) -> None:
+    """One clear message; the traceback only when asked for (it is noise for a typo or a missing folder)."""
+    if args.debug or os.environ.get("DIFFTUNE_DEBUG", "").lower() in ("1", "true", "yes"):
+        log.error("%s", err, exc_info=err)
+    else:
+        log.error("%s", err)
+
+
 def convert_lora(args: argparse.Namespace) -> int:
     """--convert-lora: the same conversion code as saving; kohya's flattened names are resolved against the
     model's real module names (the model is loaded for that only)."""
-    from toolkit.config.schema import ModelConfig
-    from toolkit.models import get_adapter_class
+    from toolkit.models.registry import get_adapter_class, model_config
     from toolkit.network.files import convert_file, read_header
 
     source, target = Path(args.convert_lora[0]), Path(args.convert_lora[1])
@@ -135,16 +171,15 @@ def convert_lora(args: argparse.Namespace) -> int:
             raise ValueError(f"{source}: its header does not name the model family; give --arch")
         family = get_adapter_class(arch)
         names = None
-        if args.to == "diffusers" and family.comfy_separator == "_":
+        if args.to == "diffusers" and family.files.comfy_separator == "_":
             model = args.model or header.get("difftune_base_model")
             if not model:
                 raise ValueError(f"{source}: kohya names need the model's module names; give --model")
             import torch
 
-            adapter = family.load(ModelConfig(arch=arch, name_or_path=model), torch.device("cpu"), torch.float32)
+            adapter = family.load(model_config(arch=arch, name_or_path=model), torch.device("cpu"), torch.float32)
             names = [name for name, _ in adapter.trainable_module().named_modules() if name]
-        count = convert_file(source, target, args.to, family.lora_prefix, family.comfy_prefix, family.comfy_separator,
-                             names)
+        count = convert_file(source, target, args.to, family.files, names)
     except (ValueError, FileNotFoundError) as err:
         log.error("%s", err)
         return 2

@@ -86,8 +86,8 @@ ZIMAGE_FULL = {
 
 def presets(size: str) -> dict[str, dict]:
     """Per model: its preset, the builder, the training resolution and the model keys of the job."""
-    from toolkit.models.tiny import TINY_SD15, build_sd15
-    from toolkit.models.tiny_zimage import TINY_ZIMAGE, build_zimage
+    from toolkit.models.sd15.tiny import TINY_SD15, build_sd15
+    from toolkit.models.zimage.tiny import TINY_ZIMAGE, build_zimage
 
     full = size == "full"
     return {
@@ -155,8 +155,9 @@ def run_job(path: Path) -> tuple[dict, object]:
     (the counter is reset when it starts) come back."""
     import torch
 
-    from jobs import build_registry, get_job
-    from toolkit.config import load_config
+    from jobs.job import get_job
+    from jobs.registry import build_registry
+    from toolkit.config.loader import load_config
 
     registry = build_registry(REPO / "extensions")
     config, path = load_config(str(path), registry)
@@ -185,7 +186,7 @@ def run_job(path: Path) -> tuple[dict, object]:
 def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
     import torch
 
-    from toolkit.metrics import read_metrics
+    from toolkit.run.metrics import read_metrics
 
     folder = scratch / name
     result: dict = {"resolution": spec["resolution"], "updates": args.updates, "rank": args.rank,

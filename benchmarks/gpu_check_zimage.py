@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 def random_models(dim: int, layers: int) -> tuple[str, str]:
     """Training and sampling model folders: the tiny preset with a transformer of `dim` x `layers`."""
-    from toolkit.models.tiny_zimage import TINY_ZIMAGE, ensure_tiny_zimage
+    from toolkit.models.zimage.tiny import TINY_ZIMAGE, ensure_tiny_zimage
 
     heads = max(2, dim // 128)
     transformer = {**TINY_ZIMAGE["transformer"], "dim": dim, "n_layers": layers, "n_heads": heads,
@@ -103,8 +103,9 @@ def main() -> int:
         print("no CUDA device: this check needs one (--device cpu for a smoke run)")
         return 2
 
-    from jobs import build_registry, get_job
-    from toolkit.config import load_config
+    from jobs.job import get_job
+    from jobs.registry import build_registry
+    from toolkit.config.loader import load_config
 
     model, sampling = args.model, args.sampling
     if model is None or sampling is None:

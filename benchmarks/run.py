@@ -9,7 +9,8 @@ Figures (tiny SD model on the shipped quickstart images unless --device cuda say
   checks) over a bare PyTorch loop doing the same forward, backward and optimizer step on the same modules and
   batches; the two alternate in rounds and the medians are compared;
 - cache speed-up: seconds per update with the encoders live vs with latent and text-embedding caches;
-- start-up: seconds for the imports, the model load and the caches before the first update;
+- start-up: seconds for the imports, the model load and the caches before the first update, and from
+  `python run.py` on the quickstart job to its first update (a fresh process, outside clock);
 - data loading: images per second through decode, bucket and crop with 0 and 2 workers;
 - peak memory: process RSS (and accelerator memory where there is one) after each phase.
 Nothing here asserts a speed; tests only check that the figures come out.
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,8 +53,9 @@ def ready_trainer(folder: Path, cached: bool, device: str, resolution: int, timi
     """A trainer set up exactly as `run()` does before its loop; `timings` gets the setup phases' seconds."""
     import yaml
 
-    from jobs import build_registry, get_job
-    from toolkit.config import load_config
+    from jobs.job import get_job
+    from jobs.registry import build_registry
+    from toolkit.config.loader import load_config
 
     registry = build_registry(REPO / "extensions")
     folder.mkdir(parents=True, exist_ok=True)
@@ -62,22 +65,24 @@ def ready_trainer(folder: Path, cached: bool, device: str, resolution: int, timi
     path.write_text(yaml.safe_dump({"job": "extension", "config": body}))
     config, path = load_config(str(path), registry)
     trainer = get_job(config, path, registry).processes[0]
-    timed(trainer, "load_model", timings)
-    timed(trainer, "build_caches", timings)
-    trainer.setup_accelerator()
-    trainer.open_monitor()
-    trainer.setup()
-    trainer.open_run_folder()
-    trainer.open_metrics(resumed=False)
-    trainer.announce_plan()
+    from toolkit.data.training_data import TrainingData
+
+    with timed(type(trainer), "load_model", timings), timed(TrainingData, "build_caches", timings):
+        trainer.start()
+        trainer.monitor.started()
+        trainer.setup()
+    trainer.open_run_folder(resumed=False)
+    trainer.monitor.planned(trainer.plan, 0, False, trainer.sampler)
     return trainer
 
 
-def timed(trainer, name: str, timings: dict | None) -> None:
-    """Record how long the trainer's method `name` takes (an instance attribute wraps the class's method)."""
+@contextmanager
+def timed(cls: type, name: str, timings: dict | None):
+    """Record how long `cls.name` takes while the block runs."""
     if timings is None:
+        yield
         return
-    method = getattr(trainer, name)
+    method = getattr(cls, name)
 
     def wrapper(*args, **kwargs):
         started = time.perf_counter()
@@ -86,17 +91,18 @@ def timed(trainer, name: str, timings: dict | None) -> None:
         finally:
             timings[name] = time.perf_counter() - started
 
-    setattr(trainer, name, wrapper)
+    setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(cls, name, method)
 
 
 def difftune_updates(trainer, updates: int) -> float:
     """Seconds per update of the real training loop for `updates` more updates."""
-    from toolkit.signals import GracefulStop
-
-    trainer.plan = replace(trainer.plan, total_updates=trainer.position.global_step + updates)
+    trainer.plan = trainer.monitor.plan = replace(trainer.plan, total_updates=trainer.position.global_step + updates)
     started = time.perf_counter()
-    with GracefulStop() as trainer.stop:
-        trainer.train()
+    trainer.train()
     finish_queued_work()
     return (time.perf_counter() - started) / updates
 
@@ -112,11 +118,11 @@ def finish_queued_work() -> None:
 def bare_batches(trainer, count: int) -> list[tuple]:
     """(latents, text embeddings) of the trainer's own first batches, as the bare loop consumes them."""
     batches = []
-    for index, batch in enumerate(trainer.dataloader):
+    for index, batch in enumerate(trainer.data.dataloader):
         if index == count:
             break
-        latents = trainer.batch_latents(batch, None).detach()
-        embeds = trainer.conditioning.embeds_for(batch["indices"], 0).embeds.detach()
+        latents = trainer.objective.batch_latents(batch, None).detach()
+        embeds = trainer.data.embeds_for(batch, 0).embeds.detach()
         batches.append((latents, embeds))
     return batches
 
@@ -195,7 +201,8 @@ def data_loading(workers: int, seconds: float, resolution: int) -> float:
 
 def import_seconds() -> float:
     """A fresh interpreter importing the trainer (torch, diffusers, transformers, peft, accelerate)."""
-    code = "import time; t = time.perf_counter(); import jobs.process.sd_trainer; print(time.perf_counter() - t)"
+    code = ("import time; t = time.perf_counter(); import jobs.process.base_sd_train_process; "
+            "print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -217,7 +224,7 @@ def measure(rounds: int, updates: int, resolution: int, loading_seconds: float, 
             compile_backend: str | None = None) -> dict:
     results: dict = {"machine": machine(), "settings": {"rounds": rounds, "updates_per_round": updates,
                                                         "resolution": resolution, "device": device}}
-    results["startup"] = {"imports_s": import_seconds()}
+    results["startup"] = {"imports_s": import_seconds(), "launch_to_first_update_s": launch_to_first_update()}
     with tempfile.TemporaryDirectory() as tmp:
         timings: dict = {}
         cached = ready_trainer(Path(tmp), True, device, resolution, timings)
@@ -242,8 +249,40 @@ def measure(rounds: int, updates: int, resolution: int, loading_seconds: float, 
 
 
 def close(trainer) -> None:
-    trainer.metrics.close()
-    trainer.teardown_accelerator()
+    trainer.close()
+
+
+def launch_to_first_update(repo: Path = REPO, timeout: float = 600.0) -> float:
+    """Seconds from starting `python run.py` on the quickstart job (one update, nothing saved or sampled on the
+    way) until its first metrics line exists: imports, config, model, caches and the first update, as a user
+    waits for them. Uses only the command line and the run folder, so it measures any checkout the same way."""
+    import yaml
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = yaml.safe_load((repo / "config" / "examples" / "quickstart.yaml").read_text())
+        process = job["config"]["process"][0]
+        process["training_folder"] = str(Path(tmp) / "output")
+        for dataset in process["datasets"]:
+            dataset["folder_path"] = str(repo / dataset["folder_path"])
+        process["train"] = {**process.get("train", {}), "steps": 1, "epochs": None}
+        process["sample"] = {**process.get("sample", {}), "prompts": [], "sample_every": 0}
+        process["save"] = {**process.get("save", {}), "save_every": 0}
+        path = Path(tmp) / "first.yaml"
+        path.write_text(yaml.safe_dump(job))
+        metrics = Path(tmp) / "output" / job["config"]["name"] / "metrics.jsonl"
+        started = time.perf_counter()
+        child = subprocess.Popen([sys.executable, str(repo / "run.py"), str(path), "--quiet"], cwd=tmp,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            while not (metrics.is_file() and metrics.read_text().strip()):
+                if child.poll() is not None and not metrics.is_file():
+                    raise RuntimeError(f"the quickstart job ended without an update: {child.stderr.read()[-2000:]}")
+                if time.perf_counter() - started > timeout:
+                    raise TimeoutError("no first update within the time limit")
+                time.sleep(0.02)
+            return time.perf_counter() - started
+        finally:
+            child.wait(timeout=timeout)
 
 
 def machine() -> dict:
@@ -266,6 +305,7 @@ def table(results: dict) -> str:
         ("cache speed-up", f"{c['speedup']:.2f}x"),
         ("start-up: imports / model load / caching", f"{s['imports_s']:.1f} / {s['model_load_s']:.2f} / "
                                                      f"{s['caching_s']:.2f} s"),
+        ("run.py quickstart: launch to first update", f"{s['launch_to_first_update_s']:.1f} s"),
         *[(f"data loading, {k.replace('_', ' ')}", f"{v:.0f} images/s")
           for k, v in results["data_loading_images_per_s"].items()],
         ("RSS after setup / after training", f"{results['memory_after_setup']['rss_mib']:.0f} / "

@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
+from jobs.context import JobContext
+from jobs.registry import ProcessRegistry
 from toolkit.config.schema import JobConfig
 
-from .registry import ProcessRegistry
-
 log = logging.getLogger("difftune")
-
-
-@dataclass(frozen=True)
-class JobContext:
-    """What every process of a job may read: the whole validated config and where it came from."""
-
-    config: JobConfig
-    config_path: Path
-
-    @property
-    def name(self) -> str:
-        return self.config.config.name
 
 
 class Job:
@@ -37,3 +24,7 @@ class Job:
         for process in self.processes:
             log.info("job '%s': process %d (%s)", self.context.name, process.index, process.config.type)
             process.run()
+
+
+def get_job(config: JobConfig, config_path: Path, registry: ProcessRegistry) -> Job:
+    return Job(config, config_path, registry)

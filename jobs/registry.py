@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import sys
@@ -12,15 +13,25 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from toolkit.config.schema import SDTrainerConfig
+
 log = logging.getLogger("difftune")
 
 
 @dataclass(frozen=True)
 class ProcessType:
     name: str
-    process_class: type
+    #: the class, or "module:Class" imported when a job of this type is built (so that reading and checking a
+    #: config never imports the trainer's libraries)
+    process_class: type | str
     config_model: type[BaseModel]
     source: str
+
+    def load_class(self) -> type:
+        if isinstance(self.process_class, str):
+            module, name = self.process_class.split(":")
+            return getattr(importlib.import_module(module), name)
+        return self.process_class
 
 
 class ProcessRegistry(Mapping[str, type[BaseModel]]):
@@ -30,13 +41,13 @@ class ProcessRegistry(Mapping[str, type[BaseModel]]):
         self._types: dict[str, ProcessType] = {}
         self.broken_extensions: dict[str, str] = {}
 
-    def register(self, name: str, process_class: type, config_model: type[BaseModel], source: str = "built-in") -> None:
+    def register(self, name: str, process_class: type | str, config_model: type[BaseModel], source: str = "built-in") -> None:
         if name in self._types:
             raise ValueError(f"process type '{name}' from {source} is already registered by {self._types[name].source}")
         self._types[name] = ProcessType(name, process_class, config_model, source)
 
     def process_class(self, name: str) -> type:
-        return self._types[name].process_class
+        return self._types[name].load_class()
 
     def explain_unknown(self, name: str) -> str:
         text = f"known: {', '.join(sorted(self._types))}"
@@ -92,11 +103,8 @@ def _import_package(package: Path, module_name: str):
 
 def build_registry(extensions_folder: Path | None) -> ProcessRegistry:
     """Built-in process types plus those of the extensions found in `extensions_folder`."""
-    from .process.sd_trainer import SDTrainer
-    from toolkit.config.schema import SDTrainerConfig
-
     registry = ProcessRegistry()
-    registry.register("sd_trainer", SDTrainer, SDTrainerConfig)
+    registry.register("sd_trainer", "jobs.process.base_sd_train_process:BaseSDTrainProcess", SDTrainerConfig)
     if extensions_folder is not None:
         discover_extensions(registry, extensions_folder)
     return registry

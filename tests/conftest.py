@@ -22,20 +22,20 @@ def tiny_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sd15(tiny_cache) -> Path:
-    from toolkit.models.tiny import ensure_tiny_sd15
+    from toolkit.models.sd15.tiny import ensure_tiny_sd15
 
     return ensure_tiny_sd15()
 
 
 @pytest.fixture(scope="session")
 def registry():
-    from jobs import build_registry
+    from jobs.registry import build_registry
 
     return build_registry(REPO / "extensions")
 
 
 @pytest.fixture(scope="session")
 def tiny_wuerstchen(tiny_cache) -> Path:
-    from toolkit.models.tiny_wuerstchen import ensure_tiny_wuerstchen
+    from toolkit.models.wuerstchen.tiny import ensure_tiny_wuerstchen
 
     return ensure_tiny_wuerstchen()

@@ -60,12 +60,13 @@ def make_images(folder: Path, count: int, size: tuple[int, int] = (32, 32)) -> P
 
 
 def launch(job: Path, processes: int, cwd: Path, script: Path = REPO / "run.py",
-           env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`accelerate launch --multi_gpu --num_processes N run.py job` on the CPU (gloo), as a user would."""
+           env: dict | None = None, timeout: int = 600, extra_jobs: list[str] = ()) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes N run.py job [more jobs]` on the CPU (gloo), as a user
+    would; several job files in one launch run one after the other in the same processes."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1", **(env or {})}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(script), str(job)]
+               str(script), str(job), *extra_jobs]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
 
 

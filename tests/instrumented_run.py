@@ -4,9 +4,11 @@
   Ctrl-C through the real signal handler, timed deterministically);
 - DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch;
 - DIFFTUNE_TEST_RECORD_INDICES=DIR: every process appends the sample indices of each micro-batch to
-  DIR/rank<R>.jsonl as {"epoch": e, "indices": [...]}.
+  DIR/rank<R>.jsonl as {"job": name, "epoch": e, "indices": [...]}.
 - DIFFTUNE_TEST_CONTROL_AFTER=N:ACTION[,N:ACTION...]: right after update N the main process runs the real
   `python run.py --control RUN_FOLDER ACTION` in a subprocess (as a user in another terminal would).
+- DIFFTUNE_TEST_RECORD_MODEL_LOADS=DIR: every process appends to DIR/rank<R>.jsonl whether its model load
+  asked for the sample-only models ({"sampling_models": bool}) and what it got ({"sampling_transformer": bool}).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import run  # noqa: E402
 from jobs.process.base_sd_train_process import BaseSDTrainProcess  # noqa: E402
-from jobs.process.sd_trainer import SDTrainer  # noqa: E402
+from toolkit.run.monitor import Monitor  # noqa: E402
 
 
 @contextmanager
@@ -39,25 +41,25 @@ def wrapped(cls: type, name: str, wrap):
 
 def interrupt_after(step: int):
     def wrap(original):
-        def after_update(self, update, progress):
-            original(self, update, progress)
+        def after_update(self, update, readings):
+            original(self, update, readings)
             if update.step == step and self.is_main:
                 os.kill(os.getpid(), signal.SIGINT)
         return after_update
 
-    return wrapped(BaseSDTrainProcess, "after_update", wrap)
+    return wrapped(Monitor, "after_update", wrap)
 
 
 def control_after(plan: dict[int, list[str]]):
     def wrap(original):
-        def after_update(self, update, progress):
-            original(self, update, progress)
+        def after_update(self, update, readings):
+            original(self, update, readings)
             for action in plan.get(update.step, []) if self.is_main else []:
-                subprocess.run([sys.executable, str(Path(run.__file__)), "--control", str(self.run_dir), action],
+                subprocess.run([sys.executable, str(Path(run.__file__)), "--control", str(self.folder.root), action],
                                check=True, capture_output=True)
         return after_update
 
-    return wrapped(BaseSDTrainProcess, "after_update", wrap)
+    return wrapped(Monitor, "after_update", wrap)
 
 
 def fail_on_rank(rank: int):
@@ -68,19 +70,36 @@ def fail_on_rank(rank: int):
             return original(self, batch, epoch, micro_batch)
         return train_step
 
-    return wrapped(SDTrainer, "train_step", wrap)
+    return wrapped(BaseSDTrainProcess, "train_step", wrap)
 
 
 def record_indices(folder: Path):
     def wrap(original):
         def train_step(self, batch, epoch, micro_batch):
-            line = json.dumps({"epoch": epoch, "indices": batch["indices"]})
+            line = json.dumps({"job": self.job.name, "epoch": epoch, "indices": batch["indices"]})
             with (folder / f"rank{self.accelerator.process_index}.jsonl").open("a") as handle:
                 handle.write(line + "\n")
             return original(self, batch, epoch, micro_batch)
         return train_step
 
-    return wrapped(SDTrainer, "train_step", wrap)
+    return wrapped(BaseSDTrainProcess, "train_step", wrap)
+
+
+def record_model_loads(folder: Path):
+    from toolkit.models.zimage.adapter import ZImageAdapter
+
+    def wrap(original):
+        def load(cls, model_cfg, device, dtype, debug_memory=False, sampling_models=True):
+            adapter = original.__func__(cls, model_cfg, device, dtype, debug_memory, sampling_models)
+            rank = int(os.environ.get("RANK", "0"))
+            line = json.dumps({"sampling_models": sampling_models,
+                               "sampling_transformer": adapter.sampling_transformer is not None})
+            with (folder / f"rank{rank}.jsonl").open("a") as handle:
+                handle.write(line + "\n")
+            return adapter
+        return classmethod(load)
+
+    return wrapped(ZImageAdapter, "load", wrap)
 
 
 if __name__ == "__main__":
@@ -95,6 +114,8 @@ if __name__ == "__main__":
                 step, action = item.split(":")
                 plan.setdefault(int(step), []).append(action)
             instruments.enter_context(control_after(plan))
+        if "DIFFTUNE_TEST_RECORD_MODEL_LOADS" in os.environ:
+            instruments.enter_context(record_model_loads(Path(os.environ["DIFFTUNE_TEST_RECORD_MODEL_LOADS"])))
         if "DIFFTUNE_TEST_RECORD_INDICES" in os.environ:
             instruments.enter_context(record_indices(Path(os.environ["DIFFTUNE_TEST_RECORD_INDICES"])))
         sys.exit(run.main(sys.argv[1:]))

@@ -16,6 +16,7 @@ def figures(tiny_sd15):
     return measure(rounds=1, updates=2, resolution=64, loading_seconds=0.2, device="cpu", compile_backend="eager")
 
 
+@pytest.mark.slow
 def test_benchmark_figures_come_out(figures):
     overhead = figures["overhead"]
     assert overhead["difftune_s_per_update"] > 0 and overhead["bare_s_per_update"] > 0
@@ -27,6 +28,7 @@ def test_benchmark_figures_come_out(figures):
     assert f"overhead ratio: {overhead['overhead_ratio']:.3f}" in table(figures)
 
 
+@pytest.mark.slow
 def test_compile_figures_come_out(figures):
     compiled = figures["compile"]
     assert compiled["backend"] == "eager" and compiled["first_epoch_updates"] > 0
@@ -35,6 +37,7 @@ def test_compile_figures_come_out(figures):
     assert "compiled (eager) s/update" in table(figures)
 
 
+@pytest.mark.slow
 def test_benchmark_command_prints_the_table_and_writes_json(tmp_path, figures, monkeypatch, capsys):
     asked = []
     monkeypatch.setattr(benchmarks.run, "measure", lambda *args: asked.append(args) or figures)
@@ -44,6 +47,7 @@ def test_benchmark_command_prints_the_table_and_writes_json(tmp_path, figures, m
     assert json.loads((tmp_path / "bench.json").read_text())["compile"]["backend"] == "eager"
 
 
+@pytest.mark.slow
 def test_full_size_script_runs_the_real_job_path_on_tiny_presets(tmp_path, tiny_cache):
     from benchmarks.full_size import main as full_size
 

@@ -5,21 +5,23 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import REPO, launch, make_image, make_images, trainer_process, write_job
-from jobs import get_job
-from toolkit.config import load_config
-from toolkit.config.schema import DatasetConfig, ModelConfig
+
+from jobs.job import get_job
+from toolkit.config.loader import load_config
+from toolkit.config.schema import DatasetConfig
 from toolkit.data.captions import process_caption
 from toolkit.data.dataset import build_dataset
 from toolkit.data.latent_cache import LatentCache
 from toolkit.data.text_cache import CachedCaptions, permute_tokens
-from toolkit.metrics import read_metrics
-from toolkit.models.sd import SD15Adapter
+from toolkit.models.registry import model_config
+from toolkit.models.sd15.adapter import SD15Adapter
+from toolkit.run.metrics import read_metrics
 from toolkit.train.plan import TrainingPlan
 from toolkit.train.seeding import seeded_generator
 
@@ -29,7 +31,7 @@ CAPTION = "sks, red, round, shiny, small, outdoors"
 
 @pytest.fixture(scope="module")
 def adapter(tiny_sd15):
-    return SD15Adapter.load(ModelConfig(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    return SD15Adapter.load(model_config(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
 
 
 def views(n: int = 2000, **options) -> list[str]:
@@ -178,8 +180,9 @@ def run_job(tmp_path, registry, name, **overrides):
     return job.processes[0], read_metrics(tmp_path / "output" / name / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_training_with_both_caches_leaves_the_encoders_unused(tmp_path, registry, monkeypatch):
-    from jobs.process.sd_trainer import SDTrainer
+    from jobs.process.base_sd_train_process import BaseSDTrainProcess as SDTrainer
 
     calls = Counter()
     original_train = SDTrainer.train
@@ -198,9 +201,10 @@ def test_training_with_both_caches_leaves_the_encoders_unused(tmp_path, registry
     assert calls == Counter()
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in cached)
     assert trainer.adapter.vae.device.type == "cpu" and trainer.adapter.text_encoder.device.type == "cpu"
-    assert trainer.offloaded == [trainer.adapter.vae, trainer.adapter.text_encoder]
+    assert trainer.placement.offloaded == [trainer.adapter.vae, trainer.adapter.text_encoder]
 
 
+@pytest.mark.slow
 def test_cached_latents_train_like_live_encoding(tmp_path, registry):
     data = make_images(tmp_path / "data", 6, size=(64, 64))
     live = [{"folder_path": str(data), "resolution": [64]}]
@@ -210,34 +214,40 @@ def test_cached_latents_train_like_live_encoding(tmp_path, registry):
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4)
 
 
-def epoch_views(folder, processes):
+def epoch_views(folder, processes, job):
     seen = {}
     for rank in range(processes):
         for line in (folder / f"rank{rank}.jsonl").read_text().splitlines():
             record = json.loads(line)
-            seen.setdefault(record["epoch"], []).extend(record["indices"])
+            if record["job"] == job:
+                seen.setdefault(record["epoch"], []).extend(record["indices"])
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("images, batch, cached", [(8, 2, True), (5, 1, False)])
-def test_every_sample_once_per_epoch_on_two_processes(tmp_path, images, batch, cached):
-    """8 images in batches of 2 shard evenly over 2 processes; 5 batches of 1 do not, so accelerate repeats
-    one batch, which the plan announces."""
-    data = make_images(tmp_path / "data", images, size=(64, 64))
-    dataset = {"folder_path": str(data), "resolution": [64], "cache_latents_to_disk": cached}
-    process = trainer_process(tmp_path, datasets=[dataset], train={
-        "steps": None, "epochs": 2, "batch_size": batch, "cache_text_embeddings": cached})
+def test_every_sample_once_per_epoch_on_two_processes(tmp_path):
+    """8 images in batches of 2 shard evenly over 2 processes; 5 batches of 1 do not, so accelerate repeats one
+    batch, which the plan announces. Both jobs (cached and live) in one launch, one after the other."""
+    cases = {"even": (8, 2, True), "uneven": (5, 1, False)}
+    files = []
+    for name, (images, batch, cached) in cases.items():
+        data = make_images(tmp_path / f"data_{name}", images, size=(64, 64))
+        dataset = {"folder_path": str(data), "resolution": [64], "cache_latents_to_disk": cached}
+        process = trainer_process(tmp_path, datasets=[dataset], train={
+            "steps": None, "epochs": 2, "batch_size": batch, "cache_text_embeddings": cached})
+        files.append(str(write_job(tmp_path / f"{name}.yaml", name, process)))
     (tmp_path / "seen").mkdir()
-    result = launch(write_job(tmp_path / "job.yaml", "cover", process), 2, cwd=tmp_path,
-                    script=REPO / "tests" / "instrumented_run.py",
-                    env={"DIFFTUNE_TEST_RECORD_INDICES": str(tmp_path / "seen")})
+    result = launch(Path(files[0]), 2, cwd=tmp_path, script=REPO / "tests" / "instrumented_run.py",
+                    env={"DIFFTUNE_TEST_RECORD_INDICES": str(tmp_path / "seen")}, extra_jobs=files[1:])
     assert result.returncode == 0, result.stderr[-3000:]
-    plan = TrainingPlan.create(images, images // batch, 2, 1, steps=None, epochs=2)
-    assert re.search(rf"batches repeated to even shards +{plan.repeated_batches}\n", result.stderr)
-    views_by_epoch = epoch_views(tmp_path / "seen", 2)
-    assert sorted(views_by_epoch) == [0, 1]
-    for indices in views_by_epoch.values():
-        counts = Counter(indices)
-        assert set(counts) == set(range(images))  # every sample, and nothing else
-        assert len(indices) - images == plan.repeated_batches * batch
+    announced = re.findall(r"batches repeated to even shards +(\d+)\n", result.stderr)
+    for (name, (images, batch, _)), repeated in zip(cases.items(), announced, strict=True):
+        plan = TrainingPlan.create(images, images // batch, 2, 1, steps=None, epochs=2)
+        assert int(repeated) == plan.repeated_batches
+        views_by_epoch = epoch_views(tmp_path / "seen", 2, name)
+        assert sorted(views_by_epoch) == [0, 1]
+        for indices in views_by_epoch.values():
+            counts = Counter(indices)
+            assert set(counts) == set(range(images))  # every sample, and nothing else
+            assert len(indices) - images == plan.repeated_batches * batch

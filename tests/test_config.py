@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import REPO, trainer_process, write_job
-from toolkit.config import ConfigError, SDTrainerConfig, load_config
+
 from toolkit.config import docs as config_docs
+from toolkit.config.loader import ConfigError, load_config
+from toolkit.config.schema import SDTrainerConfig
 
 
 def job_dict(process: dict, name: str = "my_lora") -> dict:
@@ -167,3 +168,116 @@ def test_every_shipped_config_validates(path: Path, registry):
 def test_config_reference_matches_schema():
     documented = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
     assert documented == config_docs.render(), "regenerate: python -m toolkit.config.docs > docs/config.md"
+
+
+def _error(tmp_path, registry, **overrides) -> str:
+    path = write_job(tmp_path / "job.yaml", "x", trainer_process(tmp_path, **overrides))
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), registry)
+    return str(err.value)
+
+
+def test_model_keys_are_those_of_the_chosen_family(tmp_path, registry):
+    """`model` is the family's own section: a key another family has names that family; a typo gets a hint."""
+    text = _error(tmp_path, registry, model={"arch": "sd15", "name_or_path": "tiny", "quantize": True,
+                                             "single_file_confg": "x"})
+    assert "config.process[0].model.quantize: not a key of arch sd15 (only of: zimage)" in text
+    assert "config.process[0].model.single_file_confg: unknown key (did you mean 'single_file_config'?)" in text
+    assert "model.sd15" not in text  # pydantic's union tag is not a level of the user's file
+
+
+def test_unknown_and_missing_arch_name_the_known_families(tmp_path, registry):
+    assert "model.arch: unknown arch 'sdxl' (known: sd15, wuerstchen, zimage)" in _error(
+        tmp_path, registry, model={"arch": "sdxl", "name_or_path": "x"})
+    process = trainer_process(tmp_path)
+    process["model"] = {"name_or_path": "tiny"}
+    path = write_job(tmp_path / "job2.yaml", "y", process)
+    with pytest.raises(ConfigError, match=r"model.arch: required key is missing \(one of: sd15, wuerstchen, zimage\)"):
+        load_config(str(path), registry)
+
+
+def test_conv_rank_on_a_family_without_conv_layers_is_a_config_error(tmp_path, registry):
+    """An ai-toolkit Z-Image config with `network.conv: 16` is refused when the file is read, naming the key."""
+    text = _error(tmp_path, registry, model={"arch": "zimage", "name_or_path": "tiny"},
+                  network={"type": "lora", "linear": 4, "linear_alpha": 4, "conv": 16})
+    assert "network.conv: the zimage family (Z-Image) has no conv layers to adapt" in text
+    ok = trainer_process(tmp_path, network={"type": "lora", "linear": 4, "conv": 4})  # sd15 has conv layers
+    load_config(str(write_job(tmp_path / "ok.yaml", "ok", ok)), registry)
+
+
+def test_train_keys_reach_each_consumer_as_its_own_group(tmp_path, registry):
+    """The job file keeps `train` flat; each factory receives only its group, typed."""
+    from toolkit.config.sections import LRScheduleSection, ObjectiveSection, OptimizerSection, RuntimeSection
+
+    process = trainer_process(tmp_path, train={"lr": 2e-4, "optimizer": "adamw", "optimizer_params": {"eps": 1e-7},
+                                               "lr_scheduler": "cosine", "lr_warmup_steps": 1, "min_snr_gamma": 5,
+                                               "num_workers": 1})
+    train = load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)[0].config.process[0].train
+    assert isinstance(train.optimization, OptimizerSection)
+    assert train.optimization.model_dump() == {"optimizer": "adamw", "lr": 2e-4, "optimizer_params": {"eps": 1e-7},
+                                               "max_grad_norm": 1.0}
+    assert isinstance(train.lr_schedule, LRScheduleSection) and train.lr_schedule.lr_warmup_steps == 1
+    assert isinstance(train.objective, ObjectiveSection) and train.objective.min_snr_gamma == 5
+    assert isinstance(train.runtime, RuntimeSection) and train.runtime.num_workers == 1
+    assert not set(OptimizerSection.model_fields) & set(LRScheduleSection.model_fields)
+
+
+def test_checking_a_job_file_imports_no_training_library():
+    """The modules `run.py` needs to read and check a job file (and for --status, --control, --report) import
+    neither torch, diffusers, transformers, accelerate nor peft at module level, directly or through others."""
+    import ast
+
+    heavy = ("torch", "diffusers", "transformers", "accelerate", "peft", "safetensors", "optimum", "bitsandbytes")
+    seen, todo, offenders = set(), ["toolkit.config.loader", "jobs.registry", "toolkit.run.control",
+                                    "toolkit.run.report", "toolkit.config.docs", "extensions.example"], []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = REPO / (name.replace(".", "/") + ".py")
+        if not path.is_file():
+            path = REPO / name.replace(".", "/") / "__init__.py"
+        for node in ast.parse(path.read_text()).body:  # module level only: function-level imports run on demand
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for module in names:
+                if module.split(".")[0] in heavy:
+                    offenders.append(f"{name} imports {module}")
+                elif module.split(".")[0] in ("toolkit", "jobs"):
+                    todo.append(module)
+    assert offenders == []
+    from toolkit.models.registry import available_archs, config_class
+
+    assert all(config_class(arch).__module__.endswith(".config") for arch in available_archs())
+
+
+def test_paths_are_checked_before_any_model_loads(tmp_path, registry):
+    """Every missing or empty dataset folder and every local-looking path that does not exist, each named by its
+    key, all at once; hub ids and tiny presets are not paths."""
+    from helpers import make_images
+
+    from toolkit.config.loader import check_paths
+
+    (tmp_path / "empty").mkdir()
+    images = make_images(tmp_path / "images", 1)
+    process = trainer_process(
+        tmp_path,
+        model={"arch": "zimage", "name_or_path": "Tongyi-MAI/Z-Image-Turbo", "single_file_config": "./nowhere",
+               "sampling": {"name_or_path": str(tmp_path / "absent.safetensors")}},
+        network={"linear": 4, "pretrained_lora_path": str(tmp_path / "missing_lora.safetensors")},
+        datasets=[{"folder_path": str(tmp_path / "absent")}, {"folder_path": str(tmp_path / "empty")},
+                  {"folder_path": str(images)}])
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)
+    with pytest.raises(ConfigError) as err:
+        check_paths(config, path)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{path}: paths not found"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        "config.process[0].datasets[0].folder_path", "config.process[0].datasets[1].folder_path",
+        "config.process[0].model.single_file_config", "config.process[0].model.sampling.name_or_path",
+        "config.process[0].network.pretrained_lora_path"]
+    assert "no images (.png, .jpg, .jpeg, .webp)" in lines[2]
+    fine = trainer_process(tmp_path, datasets=[{"folder_path": str(images)}])
+    config, path = load_config(str(write_job(tmp_path / "ok.yaml", "ok", fine)), registry)
+    check_paths(config, path)  # tiny preset, a folder with an image: nothing to say

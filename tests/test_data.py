@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+from helpers import make_image
 from PIL import Image
 
-from helpers import make_image
 from toolkit.config.schema import DatasetConfig
 from toolkit.data.buckets import BucketBatchSampler, bucket_sizes, nearest_bucket, resolutions_for_image
 from toolkit.data.captions import apply_trigger

@@ -6,13 +6,15 @@ import json
 import logging
 
 import pytest
+from helpers import QUICKSTART_DATA, trainer_process, write_job
 
 import run
-from helpers import QUICKSTART_DATA, trainer_process, write_job
-from jobs import build_registry, get_job
-from toolkit.config import ConfigError, load_config
+from jobs.job import get_job
+from jobs.registry import build_registry
+from toolkit.config.loader import ConfigError, load_config
 
 
+@pytest.mark.slow
 def test_example_extension_writes_a_dataset_report(tmp_path):
     process = {"type": "dataset_report", "training_folder": str(tmp_path), "divisor": 16,
                "datasets": [{"folder_path": str(QUICKSTART_DATA), "resolution": [64]}]}
@@ -28,6 +30,7 @@ def test_extension_config_is_validated_like_built_ins(tmp_path, registry):
         load_config(str(write_job(tmp_path / "job.yaml", "r", process)), registry)
 
 
+@pytest.mark.slow
 def test_broken_extension_is_named_and_other_jobs_still_run(tmp_path, caplog):
     extensions = tmp_path / "extensions"
     (extensions / "broken_one").mkdir(parents=True)

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
+from helpers import trainer_process, write_job
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers import trainer_process, write_job
-from jobs import get_job
-from toolkit.config import load_config
+from jobs.job import get_job
+from toolkit.config.loader import load_config
 from toolkit.network.formats import from_comfy, to_comfy
 
 PREFIXES = {"unet": "lora_unet"}
@@ -29,6 +29,7 @@ def run_dir(tmp_path_factory, registry, tiny_sd15):
     return tmp / "output" / "fmt"
 
 
+@pytest.mark.slow
 def test_comfy_file_has_kohya_keys_alphas_and_metadata(run_dir):
     with safe_open(str(run_dir / "fmt.comfy.safetensors"), "pt") as handle:
         keys, meta = list(handle.keys()), handle.metadata()
@@ -40,6 +41,7 @@ def test_comfy_file_has_kohya_keys_alphas_and_metadata(run_dir):
     assert json.loads(meta["difftune_config"])["network"]["linear"] == 4
 
 
+@pytest.mark.slow
 def test_diffusers_comfy_diffusers_round_trip_is_exact(run_dir):
     original = load_file(str(run_dir / "fmt.safetensors"))
     modules = sorted({k.rsplit(".lora.", 1)[0] for k in original})
@@ -49,6 +51,7 @@ def test_diffusers_comfy_diffusers_round_trip_is_exact(run_dir):
     assert set(alphas.values()) == {8.0} and len(alphas) == len(modules)
 
 
+@pytest.mark.slow
 def test_diffusers_loads_both_files_to_the_same_output(run_dir, tiny_sd15):
     def render(weight_name):
         pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15, safety_checker=None, requires_safety_checker=False)
@@ -63,6 +66,7 @@ def test_diffusers_loads_both_files_to_the_same_output(run_dir, tiny_sd15):
     assert abs(ours - comfy).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_diffusers_loads_both_files_of_a_conv_lora_alike(tmp_path, registry, tiny_sd15):
     """LoRA on the resnet and resampling convs too (LoCon): the ComfyUI/kohya file loads in diffusers to the
     same output as the diffusers file."""

@@ -8,15 +8,14 @@ import time
 
 import pytest
 import torch
+from helpers import make_images, trainer_process, write_job
 from safetensors.torch import load_file
 
-from helpers import make_images, trainer_process, write_job
-from jobs import get_job
-from jobs.process.sd_trainer import SDTrainer
-from toolkit.config import load_config
-from toolkit.config.schema import ModelConfig
-from toolkit.metrics import Throughput, read_metrics
-from toolkit.models import get_adapter_class
+from jobs.job import get_job
+from toolkit.config.loader import load_config
+from toolkit.models.registry import get_adapter_class, model_config
+from toolkit.run.metrics import Throughput, read_metrics
+from toolkit.train.objective import DiffusionObjective
 
 
 class DeviceValue(torch.Tensor):
@@ -57,7 +56,7 @@ class DeviceValue(torch.Tensor):
 @pytest.fixture
 def device_values(monkeypatch):
     """The model's predictions and the gradient norm become DeviceValues for the duration of a test."""
-    predict, clip = SDTrainer.predict, torch.nn.utils.clip_grad_norm_
+    predict, clip = DiffusionObjective.predict, torch.nn.utils.clip_grad_norm_
 
     def marked_predict(self, *args, **kwargs):
         prediction, blank = predict(self, *args, **kwargs)
@@ -66,7 +65,7 @@ def device_values(monkeypatch):
     def marked_clip(*args, **kwargs):
         return clip(*args, **kwargs).as_subclass(DeviceValue)
 
-    monkeypatch.setattr(SDTrainer, "predict", marked_predict)
+    monkeypatch.setattr(DiffusionObjective, "predict", marked_predict)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", marked_clip)
     monkeypatch.setenv("TQDM_DISABLE", "1")  # the progress bar reads the smoothed loss once a second
     DeviceValue.reads = []
@@ -82,6 +81,7 @@ def train(tmp_path, registry, name: str, **overrides):
     return job.processes[0], read_metrics(tmp_path / "output" / name / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_values_come_to_the_host_once_per_logged_update_only(tmp_path, registry, device_values):
     # 12 updates of 2 micro-batches each, logged every 6th: two reads in all, not one per update or micro-batch
     _, records = train(tmp_path, registry, "sparse", train={"steps": 12, "gradient_accumulation": 2},
@@ -95,9 +95,10 @@ def test_values_come_to_the_host_once_per_logged_update_only(tmp_path, registry,
     assert len(records) == 4 and device_values.reads == ["tolist"] * 4
 
 
+@pytest.mark.slow
 def test_the_progress_bar_reads_the_loss_at_most_once_a_second(tmp_path, registry, device_values, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE")
-    monkeypatch.setattr("jobs.process.base_sd_train_process.time.monotonic", lambda: 1000.0)  # time stands still
+    monkeypatch.setattr("toolkit.run.monitor.time.monotonic", lambda: 1000.0)  # time stands still
     _, records = train(tmp_path, registry, "bar", train={"steps": 12}, logging={"log_every": 6})
     # update 1 for the bar (its first showing), then only the logged updates 6 and 12
     assert len(records) == 2 and device_values.reads == ["tolist"] * 3
@@ -122,7 +123,7 @@ def test_logged_time_is_the_mean_since_the_last_logged_update():
     ("zimage", {}),
 ])
 def test_attention_runs_through_sdpa(arch, extra, monkeypatch):
-    adapter = get_adapter_class(arch).load(ModelConfig(arch=arch, name_or_path="tiny", **extra),
+    adapter = get_adapter_class(arch).load(model_config(arch=arch, name_or_path="tiny", **extra),
                                            torch.device("cpu"), torch.float32)
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -139,6 +140,7 @@ def test_attention_runs_through_sdpa(arch, extra, monkeypatch):
     assert calls, f"{arch}: no attention layer called torch's scaled_dot_product_attention"
 
 
+@pytest.mark.slow
 def test_compile_trains_the_same_lora_through_a_compiled_model(tmp_path, registry):
     # aot_eager traces and runs the same graph as inductor would compile, without the C++ code generation
     settings = {"steps": 3, "batch_size": 2, "lr": 1e-3}
@@ -158,9 +160,10 @@ def test_compile_trains_the_same_lora_through_a_compiled_model(tmp_path, registr
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [True, False])
 def test_dataloader_workers_are_configurable(tmp_path, registry, persistent):
     trainer, records = train(tmp_path, registry, "workers", train={"steps": 2, "num_workers": 1,
                                                                  "persistent_workers": persistent})
-    assert trainer.dataloader.num_workers == 1 and trainer.dataloader.persistent_workers is persistent
+    assert trainer.data.dataloader.num_workers == 1 and trainer.data.dataloader.persistent_workers is persistent
     assert len(records) == 2

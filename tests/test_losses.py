@@ -8,15 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.train.losses import (
-    min_snr_weights,
-    mse_loss,
-    noise_offset,
-    per_sample_loss,
-    snr_from_alphas_cumprod,
-    snr_from_flow_sigmas,
-    weighted_mean,
-)
+from toolkit.diffusion.noise import noise_offset
+from toolkit.diffusion.snr import min_snr_weights, snr_from_alphas_cumprod, snr_from_flow_sigmas
+from toolkit.train.losses import mse_loss, per_sample_loss, weighted_mean
 
 # two samples of shape [1, 1, 2]; residuals prediction - target: sample 0 (1, 2), sample 1 (2, -2)
 PRED = torch.tensor([[[[1.0, 2.0]]], [[[3.0, -1.0]]]])

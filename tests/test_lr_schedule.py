@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
-
 from helpers import launch, make_images, trainer_process, write_job
-from jobs import get_job
-from toolkit.config import load_config
+
+from jobs.job import get_job
+from toolkit.config.loader import load_config
 from toolkit.config.schema import TrainConfig
-from toolkit.metrics import read_metrics
+from toolkit.run.metrics import read_metrics
 from toolkit.train.lr_schedulers import build_lr_scheduler
 from toolkit.train.plan import TrainingPlan
 
@@ -25,7 +25,7 @@ LR = 1e-3
 def lr_sequence(plan: TrainingPlan, **train) -> tuple[list[float], float]:
     """The LR each update uses, and the LR after the last one, as the trainer steps the scheduler."""
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
-    scheduler = build_lr_scheduler(TrainConfig(lr=LR, steps=plan.total_updates, **train), optimizer, plan)
+    scheduler = build_lr_scheduler(TrainConfig(lr=LR, steps=plan.total_updates, **train).lr_schedule, optimizer, plan)
     used = []
     for _ in range(plan.total_updates):
         used.append(scheduler.get_last_lr()[0])
@@ -74,6 +74,7 @@ def test_warmup_longer_than_an_epoch_run_is_an_error_naming_the_keys():
         TrainingPlan.create(8, 4, 1, 1, steps=None, epochs=1, warmup_steps=plan.total_updates)
 
 
+@pytest.mark.slow
 def test_single_process_run_logs_warmup_and_cosine(tmp_path, registry, tiny_sd15):
     process = trainer_process(tmp_path, train={"steps": 10, "lr": LR, "lr_scheduler": "cosine",
                                                "lr_warmup_steps": 4})
@@ -99,6 +100,7 @@ def run_launched(tmp_path, name: str, processes: int, images: int, **train) -> t
     return read_metrics(run_dir / "metrics.jsonl"), json.loads((last / "train_state.json").read_text()), result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_accumulation_linear_schedule(tmp_path):
     """5 images, batch 1, 2 processes, accumulation 2, 1 epoch: ceil(ceil(5/2)/2) = 2 updates."""
@@ -109,6 +111,7 @@ def test_two_processes_accumulation_linear_schedule(tmp_path):
     assert [(r["rank"], r["global_step"], r["lr"]) for r in state["ranks"]] == [(0, 2, 0.0), (1, 2, 0.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("batches, processes, epochs", [(7, 3, 2), (11, 2, 1)])
 def test_plan_matches_updates_of_uneven_shards(tmp_path, batches, processes, epochs):
@@ -120,6 +123,7 @@ def test_plan_matches_updates_of_uneven_shards(tmp_path, batches, processes, epo
     assert "recomputing the plan" not in log
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_path, registry):
     """171 samples, batch 4, 2 processes, accumulation 5: 43 batches -> 22 per process -> 5 updates per epoch."""

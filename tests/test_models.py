@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import DDPMScheduler
-
 from ldm_format import save_as_ldm_checkpoint
-from toolkit.config.schema import ModelConfig
-from toolkit.models import get_adapter_class
-from toolkit.models.noise_schedules import DDPMNoiseSchedule
-from toolkit.models.sd import SD15Adapter
+
+from toolkit.diffusion.schedules import DDPMNoiseSchedule
+from toolkit.models.registry import get_adapter_class, model_config
+from toolkit.models.sd15.adapter import SD15Adapter
 
 
 def test_registry_finds_the_sd15_adapter():
@@ -20,7 +19,7 @@ def test_registry_finds_the_sd15_adapter():
 
 
 def test_tiny_preset_loads_through_the_diffusers_folder_code(tiny_sd15):
-    adapter = SD15Adapter.load(ModelConfig(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    adapter = SD15Adapter.load(model_config(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
     assert adapter.source == str(tiny_sd15)
     assert adapter.divisor == 16  # VAE /8, UNet /2
     assert not any(p.requires_grad for p in adapter.unet.parameters())
@@ -29,9 +28,9 @@ def test_tiny_preset_loads_through_the_diffusers_folder_code(tiny_sd15):
 
 def test_single_file_checkpoint_loads_the_same_weights(tiny_sd15, tmp_path):
     checkpoint = save_as_ldm_checkpoint(tiny_sd15, tmp_path / "tiny.safetensors")
-    cfg = ModelConfig(arch="sd15", name_or_path=str(checkpoint), single_file_config=str(tiny_sd15))
+    cfg = model_config(arch="sd15", name_or_path=str(checkpoint), single_file_config=str(tiny_sd15))
     from_file = SD15Adapter.load(cfg, torch.device("cpu"), torch.float32)
-    from_folder = SD15Adapter.load(ModelConfig(arch="sd15", name_or_path=str(tiny_sd15)),
+    from_folder = SD15Adapter.load(model_config(arch="sd15", name_or_path=str(tiny_sd15)),
                                    torch.device("cpu"), torch.float32)
     for name in ("unet", "vae", "text_encoder"):
         ours, theirs = getattr(from_file, name).state_dict(), getattr(from_folder, name).state_dict()
@@ -41,13 +40,13 @@ def test_single_file_checkpoint_loads_the_same_weights(tiny_sd15, tmp_path):
 
 
 def test_missing_single_file_is_named(tmp_path):
-    cfg = ModelConfig(arch="sd15", name_or_path=str(tmp_path / "missing.safetensors"))
+    cfg = model_config(arch="sd15", name_or_path=str(tmp_path / "missing.safetensors"))
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         SD15Adapter.load(cfg, torch.device("cpu"), torch.float32)
 
 
 def test_model_dtype_applies_to_frozen_weights():
-    adapter = SD15Adapter.load(ModelConfig(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.bfloat16)
+    adapter = SD15Adapter.load(model_config(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.bfloat16)
     assert adapter.unet.dtype == torch.bfloat16 and adapter.text_encoder.dtype == torch.bfloat16
 
 
@@ -71,6 +70,6 @@ def test_unsupported_prediction_type_is_refused():
 
 
 def test_overlong_prompts_are_found_before_training():
-    adapter = SD15Adapter.load(ModelConfig(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    adapter = SD15Adapter.load(model_config(arch="sd15", name_or_path="tiny"), torch.device("cpu"), torch.float32)
     # the tiny tokenizer is byte level: one token per character, 77 with the start and end tokens
-    assert adapter.overlong_prompts(["a short caption", "x" * 75, "x" * 76]) == [2]
+    assert adapter.text.overlong_prompts(["a short caption", "x" * 75, "x" * 76]) == [2]

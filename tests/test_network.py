@@ -8,15 +8,15 @@ import logging
 import pytest
 import torch
 from diffusers import UNet2DConditionModel, ZImageTransformer2DModel
+from helpers import trainer_process, write_job
 from safetensors.torch import save_file
 
 import run
-from helpers import trainer_process, write_job
-from jobs import get_job
-from toolkit.config import load_config
+from jobs.job import get_job
+from toolkit.config.loader import load_config
 from toolkit.config.schema import NetworkConfig
-from toolkit.models.sd import SD15Adapter
-from toolkit.models.zimage import ZImageAdapter
+from toolkit.models.sd15.adapter import SD15Adapter
+from toolkit.models.zimage.adapter import ZImageAdapter
 from toolkit.network.files import convert_file, load_pretrained
 from toolkit.network.lora import add_lora, effective_deltas, lora_state_dict, module_scales, write_lora_file
 
@@ -27,13 +27,13 @@ FAMILIES = {
 
 
 def sd15_folder():
-    from toolkit.models.tiny import ensure_tiny_sd15
+    from toolkit.models.sd15.tiny import ensure_tiny_sd15
 
     return ensure_tiny_sd15()
 
 
 def zimage_folder():
-    from toolkit.models.tiny_zimage import ensure_tiny_zimage
+    from toolkit.models.zimage.tiny import ensure_tiny_zimage
 
     return ensure_tiny_zimage()
 
@@ -67,15 +67,14 @@ def test_diffusers_comfy_diffusers_round_trip_keeps_every_delta(arch, kind, tmp_
     family, module = adapted(arch, network)
     expected = effective_deltas(module)
     ours = tmp_path / "ours.safetensors"
-    write_lora_file(ours, lora_state_dict(module, family.lora_prefix, torch.float32), {}, module, family.lora_prefix)
+    write_lora_file(ours, lora_state_dict(module, family.files.prefix, torch.float32), {}, module, family.files.prefix)
     names = [name for name, _ in module.named_modules() if name]
     forms = {"comfy": tmp_path / "comfy.safetensors", "back": tmp_path / "back.safetensors"}
-    convert_file(ours, forms["comfy"], "comfy", family.lora_prefix, family.comfy_prefix, family.comfy_separator, None)
-    convert_file(forms["comfy"], forms["back"], "diffusers", family.lora_prefix, family.comfy_prefix,
-                 family.comfy_separator, names)
+    convert_file(ours, forms["comfy"], "comfy", family.files, None)
+    convert_file(forms["comfy"], forms["back"], "diffusers", family.files, names)
     for path in (ours, forms["comfy"], forms["back"]):
         _, fresh = adapted(arch, NetworkConfig(type=kind, linear=4, linear_alpha=1), seed=None)
-        load_pretrained(fresh, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+        load_pretrained(fresh, path, family.files)
         assert_same_deltas(expected, effective_deltas(fresh))
 
 
@@ -96,7 +95,7 @@ def test_a_kohya_file_with_alphas_starts_training_with_its_deltas(tmp_path, tiny
     path = tmp_path / "kohya.safetensors"
     save_file(kohya, str(path))
     with caplog.at_level(logging.WARNING, logger="difftune"):
-        load_pretrained(module, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+        load_pretrained(module, path, family.files)
     assert "skipping 1 weights of other components" in caplog.text
     assert_same_deltas(expected, effective_deltas(module))
 
@@ -107,7 +106,7 @@ def test_a_file_of_other_ranks_is_refused_clearly(tmp_path, tiny_cache):
     write_lora_file(path, lora_state_dict(module, "unet", torch.float32), {}, module, "unet")
     _, other = adapted("sd15", NetworkConfig(linear=8, linear_alpha=4), seed=None)
     with pytest.raises(ValueError, match=r"rank4.safetensors does not fit network .*rank 4 vs 8"):
-        load_pretrained(other, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+        load_pretrained(other, path, family.files)
 
 
 def test_conv_layers_and_filters_choose_the_adapted_modules(tiny_cache):
@@ -122,6 +121,7 @@ def test_conv_layers_and_filters_choose_the_adapted_modules(tiny_cache):
     assert module.get_submodule(next(iter(convs))).lora_A["default"].weight.shape[0] == 2
 
 
+@pytest.mark.slow
 def test_pretrained_lora_and_comfy_form_through_a_job(tmp_path, registry, tiny_sd15):
     """A LoKr with conv layers trained by a job, its ComfyUI file given to a second job as pretrained_lora_path
     (with another alpha): the second run starts from the first's deltas."""
@@ -136,14 +136,15 @@ def test_pretrained_lora_and_comfy_form_through_a_job(tmp_path, registry, tiny_s
                                                 "pretrained_lora_path": str(comfy)}, train={"steps": 1})
     config, path = load_config(str(write_job(tmp_path / "second.yaml", "second", second)), registry)
     job = get_job(config, path, registry)
-    job.processes[0].setup_accelerator()
+    job.processes[0].start()
     try:
         job.processes[0].setup()
         assert_same_deltas(trained, effective_deltas(job.processes[0].adapter.trainable_module()))
     finally:
-        job.processes[0].teardown_accelerator()
+        job.processes[0].close()
 
 
+@pytest.mark.slow
 def test_convert_lora_command(tmp_path, registry, tiny_sd15):
     process = trainer_process(tmp_path, network={"linear": 4, "linear_alpha": 2}, train={"steps": 2},
                               save={"formats": ["diffusers"]})
@@ -156,7 +157,7 @@ def test_convert_lora_command(tmp_path, registry, tiny_sd15):
     assert run.main(["--convert-lora", str(tmp_path / "c.safetensors"), str(tmp_path / "d.safetensors"),
                      "--to", "diffusers", "--arch", "sd15", "--model", str(tiny_sd15)]) == 0
     family, fresh = adapted("sd15", NetworkConfig(linear=4, linear_alpha=4), seed=None)
-    load_pretrained(fresh, tmp_path / "d.safetensors", family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+    load_pretrained(fresh, tmp_path / "d.safetensors", family.files)
     assert_same_deltas(expected, effective_deltas(fresh))
     assert run.main(["--convert-lora", str(tmp_path / "absent.safetensors"), str(tmp_path / "x"), "--to", "comfy"]) == 2
 
@@ -174,7 +175,7 @@ def test_dora_round_trips_in_the_diffusers_file(tmp_path, tiny_cache):
     path = tmp_path / "dora.safetensors"
     write_lora_file(path, lora_state_dict(module, "unet", torch.float32), {}, module, "unet")
     _, fresh = adapted("sd15", network, seed=None)
-    load_pretrained(fresh, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+    load_pretrained(fresh, path, family.files)
     assert_same_deltas(effective_deltas(module), effective_deltas(fresh))
     magnitudes = [n for n, _ in fresh.named_parameters() if "lora_magnitude_vector" in n]
     assert magnitudes and all(torch.equal(fresh.get_parameter(n), module.get_parameter(n)) for n in magnitudes)
@@ -196,15 +197,17 @@ def test_peft_named_diffusers_files_load_too(tmp_path, tiny_cache):
     path = tmp_path / "peft_named.safetensors"
     save_file(state, str(path))
     _, fresh = adapted("zimage", NetworkConfig(linear=4, linear_alpha=4), seed=None)
-    load_pretrained(fresh, path, family.lora_prefix, family.comfy_prefix, family.comfy_separator)
+    load_pretrained(fresh, path, family.files)
     assert_same_deltas(effective_deltas(module), effective_deltas(fresh))
 
 
+@pytest.mark.slow
 def test_lokr_module_dropout_trains_on_two_processes(tmp_path, tiny_sd15):
     """peft's LoKr skips a dropped module entirely, so its weights miss a gradient that step; DDP is told to
     expect that, and a 2-process run completes."""
     from helpers import launch
-    from toolkit.metrics import read_metrics
+
+    from toolkit.run.metrics import read_metrics
 
     process = trainer_process(tmp_path, network={"type": "lokr", "linear": 4, "linear_alpha": 4,
                                                  "module_dropout": 0.5}, train={"steps": 4, "batch_size": 1})

@@ -6,15 +6,15 @@ import logging
 
 import pytest
 import torch
+from helpers import QUICKSTART_DATA, held_out_loss, trainer_process, write_job
 
 import run
-from helpers import QUICKSTART_DATA, held_out_loss, trainer_process, write_job
-from jobs import get_job
-from toolkit import checkpoint
-from toolkit.config import ConfigError, load_config
-from toolkit.data.dataset import build_dataset, load_pixels
+from jobs.job import get_job
+from toolkit.config.loader import ConfigError, load_config
 from toolkit.config.schema import DatasetConfig
-from toolkit.metrics import read_metrics
+from toolkit.data.dataset import build_dataset, load_pixels
+from toolkit.run import checkpoint
+from toolkit.run.metrics import read_metrics
 from toolkit.train.optimizers.adafactor import BoundedAdafactor
 
 
@@ -24,6 +24,7 @@ def job(tmp_path, registry, name, **train):
     return get_job(config, path, registry)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, train", [
     ("adamw", {"optimizer": "adamw", "lr": 3e-3}),
     ("adamw8bit", {"optimizer": "adamw8bit", "lr": 3e-3}),
@@ -78,6 +79,7 @@ def test_manual_lr_uses_the_configured_lr():
     assert optimizer.get_avg_learning_rate() == 5e-3
 
 
+@pytest.mark.slow
 def test_metrics_log_adafactor_lr_and_update_rms(tmp_path, registry):
     trained = job(tmp_path, registry, "rms", steps=3, lr=0, optimizer="adafactor", optimizer_params={"max_lr": 1e-3})
     trained.run()
@@ -85,6 +87,7 @@ def test_metrics_log_adafactor_lr_and_update_rms(tmp_path, registry):
     assert all(0 < r["lr"] <= 1e-3 and r["update_rms"] > 0 for r in records)
 
 
+@pytest.mark.slow
 def test_resume_applies_a_new_max_lr(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="difftune")
     process = trainer_process(tmp_path, train={"steps": 3, "lr": 0, "optimizer": "adafactor",
@@ -128,7 +131,7 @@ def test_adafactor_without_lr_loads_and_takes_its_defaults(tmp_path, registry):
     config, _ = load_config(str(write_job(tmp_path / "job.yaml", "nolr", process)), registry)
     from toolkit.train.optimizers import build_optimizer
 
-    optimizer = build_optimizer(config.config.process[0].train, [torch.nn.Parameter(torch.ones(4, 4))])
+    optimizer = build_optimizer(config.config.process[0].train.optimization, [torch.nn.Parameter(torch.ones(4, 4))])
     assert optimizer.param_groups[0]["relative_step"] and optimizer.param_groups[0]["max_lr"] == 1e-4
 
 

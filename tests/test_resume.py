@@ -10,14 +10,14 @@ import time
 
 import pytest
 import torch
+from helpers import REPO, launch, make_images, trainer_process, write_job
+from instrumented_run import interrupt_after
 from safetensors.torch import load_file
 
 import run
-from helpers import REPO, launch, make_images, trainer_process, write_job
-from instrumented_run import interrupt_after
-from toolkit import checkpoint
-from toolkit.metrics import read_metrics
-from toolkit.signals import GracefulStop
+from toolkit.run import checkpoint
+from toolkit.run.metrics import read_metrics
+from toolkit.run.signals import GracefulStop
 
 STEPS = 12
 
@@ -52,6 +52,7 @@ def uninterrupted(tmp_path_factory):
     return tmp / "output" / "straight"
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_rerun_continues_exactly_on_one_process(tmp_path, uninterrupted, caplog):
     caplog.set_level(logging.INFO, logger="difftune")
     job = write_job(tmp_path / "job.yaml", "straight", resume_process(tmp_path))
@@ -70,6 +71,7 @@ def test_ctrl_c_then_rerun_continues_exactly_on_one_process(tmp_path, uninterrup
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
     job = write_job(tmp_path / "job.yaml", "ddp", resume_process(tmp_path))
@@ -92,6 +94,7 @@ def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
     assert per_update(tmp_path / "output" / "ddp") == reference
 
 
+@pytest.mark.slow
 def test_incomplete_checkpoints_are_ignored_and_named(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="difftune")
     short = write_job(tmp_path / "job.yaml", "crash", resume_process(tmp_path, steps=8))
@@ -110,6 +113,7 @@ def test_incomplete_checkpoints_are_ignored_and_named(tmp_path, caplog):
     assert [r["step"] for r in read_metrics(tmp_path / "output" / "crash" / "metrics.jsonl")] == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_rank_mismatch_fails_clearly_and_touches_nothing(tmp_path, caplog):
     first = write_job(tmp_path / "job.yaml", "mismatch", resume_process(tmp_path, steps=4))
     assert run.main([str(first)]) == 0
@@ -121,11 +125,13 @@ def test_rank_mismatch_fails_clearly_and_touches_nothing(tmp_path, caplog):
     process["network"]["linear"] = 8
     assert run.main([str(write_job(tmp_path / "job.yaml", "mismatch", process))]) == 1
     assert "rank 4 vs 8" in caplog.text and str(run_dir / "checkpoints" / "step_000000004") in caplog.text
+    assert not [r for r in caplog.records if r.exc_info]  # a user error: one message, no traceback
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if work(p)} == before
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "failed" and "rank 4 vs 8" in status["last_error"] and status["step"] == 4
 
 
+@pytest.mark.slow
 def test_new_steps_lr_and_optimizer_settings_apply_on_resume(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="difftune")
     base = {"lr_scheduler": "constant", "lr": 1e-3}
@@ -139,6 +145,7 @@ def test_new_steps_lr_and_optimizer_settings_apply_on_resume(tmp_path, caplog):
     assert "weight_decay 0.01 -> 0.1" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_resume_on_another_process_count_continues_the_lr(tmp_path, caplog):
     process = resume_process(tmp_path, steps=4, lr_scheduler="constant")
@@ -174,6 +181,7 @@ def test_second_ctrl_c_exits_at_once_but_repeats_of_the_request_do_not():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.slow
 def test_resume_stays_exact_with_both_caches_and_shuffled_tokens(tmp_path):
     process = resume_process(tmp_path, steps=8, cache_text_embeddings=True)
     for dataset in process["datasets"]:
@@ -188,6 +196,7 @@ def test_resume_stays_exact_with_both_caches_and_shuffled_tokens(tmp_path):
     assert per_update(tmp_path / "output" / "cached_b") == per_update(tmp_path / "output" / "cached_a")
 
 
+@pytest.mark.slow
 def test_continuing_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="difftune")
     process = resume_process(tmp_path, steps=8)

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import yaml
+from helpers import REPO, launch, trainer_process, write_job
 
 import run
-from helpers import REPO, launch, trainer_process, write_job
-from toolkit.metrics import read_metrics
+from toolkit.run.metrics import read_metrics
 
 
 def broken_job(tmp_path):
@@ -21,6 +21,7 @@ def broken_job(tmp_path):
         {"folder_path": str(tmp_path / "no_such_folder")}]))
 
 
+@pytest.mark.slow
 def test_recover_goes_on_after_a_failure_and_exit_code_says_it(tmp_path):
     good = write_job(tmp_path / "good.yaml", "good", trainer_process(tmp_path, train={"steps": 1}))
     assert run.main([str(broken_job(tmp_path)), str(good)]) == 1
@@ -30,6 +31,7 @@ def test_recover_goes_on_after_a_failure_and_exit_code_says_it(tmp_path):
     assert (tmp_path / "output" / "good" / "good.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_name_flag_fills_the_name_and_runs(tmp_path):
     job = {"job": "extension", "config": {"name": "[name]", "process": [trainer_process(tmp_path, train={"steps": 2})]}}
     (tmp_path / "shared.yaml").write_text(yaml.safe_dump(job))
@@ -37,6 +39,7 @@ def test_name_flag_fills_the_name_and_runs(tmp_path):
     assert (tmp_path / "output" / "cat_v1" / "cat_v1.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_rerun_of_a_finished_run_changes_nothing_and_resume_false_refuses(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="difftune")
     path = write_job(tmp_path / "job.yaml", "once", trainer_process(tmp_path, train={"steps": 1}))
@@ -51,9 +54,38 @@ def test_rerun_of_a_finished_run_changes_nothing_and_resume_false_refuses(tmp_pa
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
 
     fresh = write_job(tmp_path / "job.yaml", "once", trainer_process(tmp_path, train={"steps": 1, "resume": False}))
+    caplog.clear()
     assert run.main([str(fresh)]) == 1
     assert "train.resume is false" in caplog.text and "train.overwrite: true" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info]  # a user error: one message, no traceback
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if kept(p)} == before
+
+
+def test_a_user_error_is_one_message_without_a_traceback(tmp_path, caplog, monkeypatch):
+    """A missing dataset folder is found when the job file is checked, before any model loads (no run folder
+    is created), and reported as one line naming the key; --debug (or DIFFTUNE_DEBUG=1) adds the traceback."""
+    monkeypatch.delenv("DIFFTUNE_DEBUG", raising=False)
+    assert run.main([str(broken_job(tmp_path))]) == 1
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "config.process[0].datasets[0].folder_path: folder not found" in errors[0].getMessage()
+    assert not any(r.exc_info for r in errors) and not (tmp_path / "output" / "broken").exists()
+    caplog.clear()
+    assert run.main([str(broken_job(tmp_path)), "--debug"]) == 1
+    assert any(r.exc_info for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setenv("DIFFTUNE_DEBUG", "1")
+    assert run.main([str(broken_job(tmp_path))]) == 1
+    assert any(r.exc_info for r in caplog.records)
+
+
+def test_every_job_file_is_checked_before_the_first_one_trains(tmp_path, caplog):
+    """A typo in the second file fails the command before the first file's job starts."""
+    good = write_job(tmp_path / "good.yaml", "good", trainer_process(tmp_path, train={"steps": 1}))
+    typo = trainer_process(tmp_path, train={"steps": 1, "learning_rat": 1e-4})
+    bad = write_job(tmp_path / "typo.yaml", "typo", typo)
+    assert run.main([str(good), str(bad)]) == 1
+    assert "train.learning_rat: unknown key" in caplog.text
+    assert not (tmp_path / "output" / "good").exists()
 
 
 def _env():
@@ -62,6 +94,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_cli_runs_a_job_file(tmp_path):
     path = write_job(tmp_path / "job.yaml", "cli", trainer_process(tmp_path, train={"steps": 2}))
     result = subprocess.run([sys.executable, str(REPO / "run.py"), str(path)], capture_output=True, text=True,
@@ -71,6 +104,7 @@ def test_cli_runs_a_job_file(tmp_path):
     assert len(read_metrics(tmp_path / "output" / "cli" / "metrics.jsonl")) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_accelerate_launch_two_processes_on_cpu(tmp_path):
     """`device: cpu` under a plain multi-GPU launch line runs two gloo processes."""
@@ -89,6 +123,7 @@ def test_accelerate_launch_two_processes_on_cpu(tmp_path):
     assert state["world_size"] == 2 and state["global_step"] == steps
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
     """One rank raising must not leave the others waiting at a barrier: the launch fails, naming the error."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from helpers import make_images, trainer_process, write_job
-from jobs import get_job
-from toolkit.config import load_config
-from toolkit.metrics import read_metrics
-from toolkit.models.noise_schedules import DDPMNoiseSchedule, FlowMatchNoiseSchedule, WuerstchenNoiseSchedule
 from diffusers import DDPMScheduler
+from helpers import make_images, trainer_process, write_job
+
+from jobs.job import get_job
+from toolkit.config.loader import load_config
+from toolkit.diffusion.schedules import DDPMNoiseSchedule, FlowMatchNoiseSchedule, WuerstchenNoiseSchedule
+from toolkit.errors import UserError
+from toolkit.run.metrics import read_metrics
 
 
 def test_u_maps_monotonically_into_each_familys_timesteps():
@@ -43,6 +44,7 @@ def small_data(tmp_path_factory):
     return make_images(tmp_path_factory.mktemp("small") / "data", 4, size=(32, 32))
 
 
+@pytest.mark.slow
 def test_blank_prompt_term_starts_at_zero_then_grows(tmp_path, registry, small_data):
     records = run(tmp_path, registry, "bpp", small_data, steps=6, lr=1e-2, blank_prompt_preservation=True)
     assert records[0]["loss_bpp"] < 1e-10  # a zero-initialised LoRA changes nothing
@@ -50,6 +52,7 @@ def test_blank_prompt_term_starts_at_zero_then_grows(tmp_path, registry, small_d
     assert all(r["loss"] == pytest.approx(r["loss_main"] + r["loss_bpp"], rel=1e-5) for r in records)
 
 
+@pytest.mark.slow
 def test_blank_prompt_probability_picks_that_share_of_updates(tmp_path, registry, small_data):
     records = run(tmp_path, registry, "share", small_data, steps=400, batch_size=1,  # the draw is per update
                   blank_prompt_preservation=True, blank_prompt_probability=0.3)
@@ -57,6 +60,7 @@ def test_blank_prompt_probability_picks_that_share_of_updates(tmp_path, registry
     assert share == pytest.approx(0.3, abs=0.07)
 
 
+@pytest.mark.slow
 def test_differential_guidance_scales_the_gradient(tmp_path, registry, small_data):
     plain = run(tmp_path, registry, "plain", small_data, steps=1, max_grad_norm=0)
     guided = run(tmp_path, registry, "guided", small_data, steps=1, max_grad_norm=0, differential_guidance_scale=2.0)
@@ -64,6 +68,7 @@ def test_differential_guidance_scales_the_gradient(tmp_path, registry, small_dat
     assert "loss_diff_guidance" in guided[0] and "loss_main" in plain[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {"timestep_type": "sigmoid", "min_snr_gamma": 5.0, "loss_type": "pseudo_huber"},
     {"timestep_type": "weighted", "loss_type": "mae", "noise_offset": 0.05},
@@ -76,6 +81,7 @@ def test_sampler_and_loss_options_train(tmp_path, registry, small_data, options)
     assert len(records) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
 
 
+@pytest.mark.slow
 def test_debug_timesteps_histogram_every_logged_update(tmp_path, registry, small_data):
     records = run(tmp_path, registry, "debug", small_data, steps=6, batch_size=2,
                   logging={"log_every": 3, "debug_timesteps": True})
@@ -87,6 +93,7 @@ def test_debug_timesteps_histogram_every_logged_update(tmp_path, registry, small
     assert "timestep_hist" not in plain[0]
 
 
+@pytest.mark.slow
 def test_fixed_cycle_uses_one_value_per_update(tmp_path, registry, small_data):
     records = run(tmp_path, registry, "cycle", small_data, steps=3, batch_size=2,
                   timestep_type="fixed_cycle", timestep_params={"cycle": [0.95, 0.45, 0.05]},
@@ -95,7 +102,8 @@ def test_fixed_cycle_uses_one_value_per_update(tmp_path, registry, small_data):
     assert bins == [9, 4, 0]
 
 
+@pytest.mark.slow
 def test_dynamic_shift_on_a_ddpm_family_is_a_clear_error(tmp_path, registry, small_data):
-    with pytest.raises(ValueError, match="dynamic_shift: the sd15 scheduler defines no base/max shift"):
+    with pytest.raises(UserError, match="dynamic_shift: the sd15 scheduler defines no base/max shift"):
         run(tmp_path, registry, "dyn", small_data, steps=1, timestep_type="shift",
             timestep_params={"dynamic_shift": True})

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.train.timesteps import (
+from toolkit.diffusion.timestep_params import TimestepParams
+from toolkit.diffusion.timesteps import (
     TIMESTEP_TYPES,
     ShiftSchedule,
-    TimestepParams,
     bell_weight,
     dynamic_shift,
     gaussian_std_at,
@@ -284,4 +284,4 @@ def test_density_plot_has_one_40_bin_line_per_sampler():
 
 
 def test_docs_show_the_current_density_plot():
-    assert main() in DOC.read_text(encoding="utf-8"), "regenerate with: python -m toolkit.train.timesteps"
+    assert main() in DOC.read_text(encoding="utf-8"), "regenerate with: python -m toolkit.diffusion.timesteps"

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
+from helpers import held_out_loss, make_images, trainer_process, write_job
 from safetensors import safe_open
 
-from helpers import held_out_loss, make_images, trainer_process, write_job
-from jobs import get_job
-from toolkit.config import load_config
-from toolkit.data.dataset import build_dataset, load_pixels
+from jobs.job import get_job
+from toolkit.config.loader import load_config
 from toolkit.config.schema import DatasetConfig
-from toolkit.metrics import read_metrics
+from toolkit.data.dataset import build_dataset, load_pixels
+from toolkit.run.metrics import read_metrics
 
 UPDATES = 60
 
@@ -37,6 +37,7 @@ def trained(tmp_path_factory, registry, tiny_sd15):
     return job.processes[0], tmp / "output" / "e2e"
 
 
+@pytest.mark.slow
 def test_outputs_follow_the_documented_layout(trained):
     _, run_dir = trained
     assert (run_dir / "config.yaml").is_file()
@@ -56,11 +57,13 @@ def test_outputs_follow_the_documented_layout(trained):
     ]
 
 
+@pytest.mark.slow
 def test_sampling_hands_the_model_back_in_training_mode(trained):
     process, _ = trained
     assert process.trained_module.training  # samples were rendered at steps 30 and 60
 
 
+@pytest.mark.slow
 def test_metrics_have_one_line_per_update(trained):
     _, run_dir = trained
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -72,6 +75,7 @@ def test_metrics_have_one_line_per_update(trained):
     assert records[3]["epoch"] == 0 and records[4]["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_lora_header_carries_config_and_peft_metadata(trained):
     _, run_dir = trained
     with safe_open(str(run_dir / "e2e.safetensors"), "pt") as handle:
@@ -83,6 +87,7 @@ def test_lora_header_carries_config_and_peft_metadata(trained):
     assert keys and all(k.startswith("unet.") for k in keys)
 
 
+@pytest.mark.slow
 def test_model_learns_and_lora_loads_in_diffusers(trained, tiny_sd15):
     process, run_dir = trained
     pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15, safety_checker=None, requires_safety_checker=False)
@@ -112,6 +117,7 @@ def test_model_learns_and_lora_loads_in_diffusers(trained, tiny_sd15):
     assert held_out_loss(adapter, process.adapter.unet, pixels, captions) == pytest.approx(after_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_accumulation_epochs_bf16_and_checkpointing(tmp_path, registry, tiny_sd15):
     """8 images, batch 2, accumulation 2: 4 micro-batches -> 2 updates per epoch; 2 epochs -> 4 updates."""
     process = trainer_process(
@@ -125,11 +131,12 @@ def test_accumulation_epochs_bf16_and_checkpointing(tmp_path, registry, tiny_sd1
     records = read_metrics(tmp_path / "output" / "accum" / "metrics.jsonl")
     assert [(r["step"], r["epoch"]) for r in records] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     trainer = job.processes[0]
-    assert trainer.mixed_precision == "bf16"
+    assert trainer.runtime.mixed_precision == "bf16"
     assert trainer.adapter.unet.is_gradient_checkpointing
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
 
 
+@pytest.mark.slow
 def test_a_short_last_accumulation_window_gets_the_full_gradient(tmp_path, registry, tiny_sd15):
     """Two images, batch 2: one micro-batch per epoch. With accumulation 2 every update is a short window of
     one micro-batch, so training must match accumulation 1 exactly (same losses, norms and weights)."""
@@ -146,6 +153,7 @@ def test_a_short_last_accumulation_window_gets_the_full_gradient(tmp_path, regis
     assert strip[0] == strip[1]
 
 
+@pytest.mark.slow
 def test_max_grad_norm_clips_the_update(tmp_path, registry, tiny_sd15):
     """Adam barely moves weights whose gradients were clipped far below its eps; the logged norm is pre-clip."""
     moved = {}
@@ -160,3 +168,33 @@ def test_max_grad_norm_clips_the_update(tmp_path, registry, tiny_sd15):
         norms = [r["grad_norm"] for r in read_metrics(tmp_path / "output" / name / "metrics.jsonl")]
         assert norms[0] > 1e-6
     assert moved[1e-12] < moved[0.0] * 1e-3
+
+
+@pytest.mark.slow
+def test_another_objective_is_a_part_handed_in_not_a_subclass(tmp_path, tiny_sd15):
+    """A process type registered as `partial(BaseSDTrainProcess, objective=...)` trains with that objective: its
+    loss parts reach metrics.jsonl, and the rest of the run (checkpoints, the LoRA) is the same machinery."""
+    from functools import partial
+
+    from jobs.process.base_sd_train_process import BaseSDTrainProcess
+    from jobs.registry import ProcessRegistry
+    from toolkit.config.schema import SDTrainerConfig
+    from toolkit.train.objective import DiffusionObjective
+
+    class DoubledObjective(DiffusionObjective):
+        def loss(self, batch, embeds, at):
+            result = super().loss(batch, embeds, at)
+            result.parts = {"loss_doubled": 2 * result.loss.detach()}
+            result.loss = 2 * result.loss
+            return result
+
+    registry = ProcessRegistry()
+    registry.register("sd_trainer", partial(BaseSDTrainProcess, objective=DoubledObjective), SDTrainerConfig)
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "doubled", trainer_process(tmp_path))), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    assert isinstance(job.processes[0].objective, DoubledObjective)
+    records = read_metrics(tmp_path / "output" / "doubled" / "metrics.jsonl")
+    assert len(records) == 4 and all("loss_main" not in r for r in records)
+    assert all(r["loss"] == pytest.approx(r["loss_doubled"]) and r["loss"] > 0 for r in records)
+    assert (tmp_path / "output" / "doubled" / "doubled.safetensors").is_file()

@@ -10,14 +10,14 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO, launch, trainer_process, write_job
 from PIL import Image
 
 import run
-from helpers import REPO, launch, trainer_process, write_job
-from jobs import get_job
-from toolkit import control
-from toolkit.config import load_config
-from toolkit.metrics import read_metrics
+from jobs.job import get_job
+from toolkit.config.loader import ConfigError, load_config
+from toolkit.run import control
+from toolkit.run.metrics import read_metrics
 
 INSTRUMENTED = REPO / "tests" / "instrumented_run.py"
 PROMPTS = ["[trigger], a red circle", "a blue square"]
@@ -43,6 +43,7 @@ def sampled(tmp_path_factory, registry, tiny_sd15):
     return runs
 
 
+@pytest.mark.slow
 def test_samples_are_written_with_their_metadata(sampled):
     _, run_dir = sampled["with"]
     names = sorted(p.name for p in (run_dir / "samples").iterdir())
@@ -53,6 +54,7 @@ def test_samples_are_written_with_their_metadata(sampled):
     assert Image.open(run_dir / "samples" / "step_000000002_0.png").text["prompt"] == "shp, a red circle"
 
 
+@pytest.mark.slow
 def test_sampling_does_not_change_training(sampled):
     with_samples = read_metrics(sampled["with"][1] / "metrics.jsonl")
     without = read_metrics(sampled["without"][1] / "metrics.jsonl")
@@ -60,6 +62,7 @@ def test_sampling_does_not_change_training(sampled):
     assert [r["grad_norm"] for r in with_samples] == [r["grad_norm"] for r in without]
 
 
+@pytest.mark.slow
 def test_metrics_lines_carry_throughput_and_memory(sampled):
     records = read_metrics(sampled["without"][1] / "metrics.jsonl")
     for record in records:
@@ -73,6 +76,7 @@ def svg_series(page: str) -> dict[str, int]:
             for html_name, points in re.findall(r'data-series="([^"]+)" points="([^"]*)"', page)}
 
 
+@pytest.mark.slow
 def test_report_plots_every_metric_and_shows_the_samples(sampled):
     _, run_dir = sampled["with"]
     page = (run_dir / "report.html").read_text()
@@ -88,6 +92,7 @@ def test_report_plots_every_metric_and_shows_the_samples(sampled):
     assert "http://" not in page.replace("http://www.w3.org", "") and "https://" not in page  # no network
 
 
+@pytest.mark.slow
 def test_report_command_rebuilds_the_same_file(sampled, capsys):
     _, run_dir = sampled["with"]
     written = (run_dir / "report.html").read_bytes()
@@ -96,6 +101,7 @@ def test_report_command_rebuilds_the_same_file(sampled, capsys):
     assert (run_dir / "report.html").read_bytes() == written
 
 
+@pytest.mark.slow
 def test_status_of_a_finished_run(sampled, capsys):
     _, run_dir = sampled["with"]
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
@@ -103,6 +109,7 @@ def test_status_of_a_finished_run(sampled, capsys):
     assert "finished, step 6/6" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_status_of_a_running_and_of_a_crashed_run(tmp_path, capsys):
     control.Status(state="running", pid=os.getpid(), step=3, total=10).write(tmp_path)
     assert run.main(["--status", str(tmp_path)]) == 0
@@ -129,6 +136,7 @@ def controlled_run(tmp_path, processes: int, plan: str, steps: int = 8, extra_en
     return result, tmp_path / "output" / "steer"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_control_save_and_sample_act_once_and_stop_ends_with_a_checkpoint(tmp_path, processes):
     result, run_dir = controlled_run(tmp_path, processes, "2:save,3:sample,5:stop")
@@ -141,6 +149,7 @@ def test_control_save_and_sample_act_once_and_stop_ends_with_a_checkpoint(tmp_pa
     assert not (run_dir / "steer.safetensors").exists()  # stopped, not finished: resume continues it
 
 
+@pytest.mark.slow
 def test_a_failed_run_says_so_in_its_status(tmp_path):
     result, run_dir = controlled_run(tmp_path, 1, "1:save", extra_env={"DIFFTUNE_TEST_FAIL_RANK": "0"})
     assert result.returncode != 0
@@ -155,6 +164,7 @@ def test_control_refuses_unknown_actions_and_folders(tmp_path):
     assert not (tmp_path / "control").exists()
 
 
+@pytest.mark.slow
 def test_tensorboard_logs_the_metrics(tmp_path, registry, tiny_sd15):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -168,6 +178,7 @@ def test_tensorboard_logs_the_metrics(tmp_path, registry, tiny_sd15):
     assert [event.step for event in accumulator.Scalars("loss")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_requests_from_before_a_run_started_are_dropped(tmp_path, registry, tiny_sd15, caplog):
     """A stop left in control/ (e.g. sent to a run that had already finished) must not stop a later run."""
     stale = tmp_path / "output" / "later" / "control" / "1000-1-stop.json"
@@ -179,9 +190,10 @@ def test_requests_from_before_a_run_started_are_dropped(tmp_path, registry, tiny
     assert "ignoring 1 control request" in caplog.text and not stale.exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_in_setup_says_so_in_its_status(tmp_path, registry):
     process = trainer_process(tmp_path, model={"arch": "sd15", "name_or_path": str(tmp_path / "absent_model")})
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="model.name_or_path: .* looks like a local path"):
         run_job(tmp_path, registry, "broken", process)
     status = json.loads((tmp_path / "output" / "broken" / "status.json").read_text())
     assert status["state"] == "failed" and "looks like a local path" in status["last_error"]
@@ -193,6 +205,7 @@ def test_control_needs_a_running_trainer(tmp_path):
     assert not (tmp_path / "control").exists()
 
 
+@pytest.mark.slow
 def test_an_unreadable_status_file_is_replaced_not_fatal(tmp_path, registry, tiny_sd15):
     run_dir = tmp_path / "output" / "odd"
     run_dir.mkdir(parents=True)

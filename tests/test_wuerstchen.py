@@ -14,13 +14,13 @@ from safetensors.torch import save_file
 from torchvision.transforms import Normalize
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from jobs import get_job
-from toolkit.config import ConfigError, load_config
+from jobs.job import get_job
+from toolkit.config.loader import ConfigError, load_config
 from toolkit.config.schema import DatasetConfig
 from toolkit.data.dataset import build_dataset, load_pixels
-from toolkit.metrics import read_metrics
-from toolkit.models.tiny_wuerstchen import TINY_WUERSTCHEN, ensure_tiny_wuerstchen
-from toolkit.models.wuerstchen import EfficientNetImageEncoder, read_image_encoder_state
+from toolkit.models.wuerstchen.image_encoder import EfficientNetImageEncoder, read_image_encoder_state
+from toolkit.models.wuerstchen.tiny import TINY_WUERSTCHEN, ensure_tiny_wuerstchen
+from toolkit.run.metrics import read_metrics
 
 TINY = {"arch": "wuerstchen", "name_or_path": "tiny", "image_encoder_path": "tiny", "decoder_name_or_path": "tiny"}
 UPDATES = 40
@@ -73,6 +73,7 @@ def held_out_batch(adapter):
     return torch.stack([load_pixels(item) for item in square]), [item.record.caption for item in square]
 
 
+@pytest.mark.slow
 def test_tiny_run_is_finite_and_writes_a_sample(trained):
     _, run_dir = trained
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -81,6 +82,7 @@ def test_tiny_run_is_finite_and_writes_a_sample(trained):
     assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [f"step_{UPDATES:09d}_0.png"]
 
 
+@pytest.mark.slow
 def test_default_clipping_keeps_a_random_init_prior_finite(tmp_path, registry, tiny_cache):
     """The prior predicts (x - a) / |1 - b|: at plain random init its gradient norms reach 10^4 and more. The
     default max_grad_norm (1.0) clips them (the run differs from an unclipped one) and every loss stays finite."""
@@ -101,16 +103,18 @@ def test_default_clipping_keeps_a_random_init_prior_finite(tmp_path, registry, t
     assert any(not torch.equal(a, b) for a, b in zip(clipped, unclipped))
 
 
+@pytest.mark.slow
 def test_caches_are_used_when_asked(trained):
     process, _ = trained
     cached = process.config.train.cache_text_embeddings
-    assert (type(process.conditioning).__name__ == "CachedCaptions") == cached
-    assert (process.dataset.latents is not None) == cached
+    assert (type(process.data.conditioning).__name__ == "CachedCaptions") == cached
+    assert (process.data.dataset.latents is not None) == cached
     if cached:  # the encoders left the accelerator list for the rest of training
-        assert process.adapter.image_encoder in process.offloaded
-        assert process.adapter.text_encoder in process.offloaded
+        assert process.adapter.image_encoder in process.placement.offloaded
+        assert process.adapter.text_encoder in process.placement.offloaded
 
 
+@pytest.mark.slow
 def test_prior_learns_and_lora_loads_in_the_prior_pipeline(trained, tiny_wuerstchen):
     process, run_dir = trained
     adapter = process.adapter
@@ -134,11 +138,12 @@ def test_prior_learns_and_lora_loads_in_the_prior_pipeline(trained, tiny_wuerstc
     assert held_out_loss(adapter, adapter.prior, pixels, captions) == pytest.approx(after_loss, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_lora_targets_the_prior_attention(trained):
     process, _ = trained
     from safetensors import safe_open
 
-    with safe_open(str(process.final_lora_path), "pt") as handle:
+    with safe_open(str(process.folder.final_lora), "pt") as handle:
         keys = list(handle.keys())
     assert keys and all(k.startswith("prior.") for k in keys)
     targets = {k.split(".lora.")[0].split(".attention.")[-1] for k in keys}
@@ -146,10 +151,10 @@ def test_lora_targets_the_prior_attention(trained):
 
 
 def test_embeddings_are_the_scaled_imagenet_normalised_encoder_output(tiny_wuerstchen):
-    from toolkit.config.schema import ModelConfig
-    from toolkit.models.wuerstchen import WuerstchenAdapter
+    from toolkit.models.registry import model_config
+    from toolkit.models.wuerstchen.adapter import WuerstchenAdapter
 
-    adapter = WuerstchenAdapter.load(ModelConfig(**TINY), torch.device("cpu"), torch.float32)
+    adapter = WuerstchenAdapter.load(model_config(**TINY), torch.device("cpu"), torch.float32)
     pixels = torch.rand(2, 3, 64, 96) * 2 - 1
     normalise = Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
     with torch.no_grad():
@@ -216,21 +221,23 @@ def test_image_encoder_rejects_wrong_weights_clearly(tmp_path, encoder_state):
 
 def test_family_keys_are_checked_in_the_config(tmp_path, registry):
     no_encoder = wuerstchen_process(tmp_path, model={"arch": "wuerstchen", "name_or_path": "tiny"})
-    with pytest.raises(ConfigError, match="arch wuerstchen needs model.image_encoder_path"):
+    with pytest.raises(ConfigError, match=r"model.image_encoder_path: required key is missing"):
         load_config(str(write_job(tmp_path / "a.yaml", "a", no_encoder)), registry)
     misplaced = trainer_process(tmp_path, model={"arch": "sd15", "name_or_path": "tiny", "decoder_name_or_path": "x"})
-    with pytest.raises(ConfigError, match="model.decoder_name_or_path is not used by arch sd15"):
+    with pytest.raises(ConfigError, match=r"model.decoder_name_or_path: not a key of arch sd15 \(only of: wuerstchen\)"):
         load_config(str(write_job(tmp_path / "b.yaml", "b", misplaced)), registry)
 
 
-def test_sample_prompts_without_a_decoder_fail_before_training(tmp_path, registry, tiny_wuerstchen):
+def test_sample_prompts_without_a_decoder_are_a_config_error(tmp_path, registry):
+    """Known from the family's facts: refused when the job file is read, before any model loads."""
     process = wuerstchen_process(tmp_path, model={**TINY, "decoder_name_or_path": None},
                                  sample={"prompts": ["a red circle"], "width": 128, "height": 128})
-    with pytest.raises(ValueError, match="decoder_name_or_path"):
-        run_job(tmp_path, registry, "nodecoder", process)
-    assert not (tmp_path / "output" / "nodecoder" / "checkpoints").exists()
+    with pytest.raises(ConfigError, match=r"sample.prompts: wuerstchen renders sample images through another model: "
+                       r"set model.decoder_name_or_path"):
+        load_config(str(write_job(tmp_path / "c.yaml", "c", process)), registry)
 
 
+@pytest.mark.slow
 def test_two_processes_complete_the_planned_updates(tmp_path, tiny_wuerstchen):
     """8 images, batch 1, 2 processes: 4 updates per epoch; 6 updates."""
     process = wuerstchen_process(tmp_path, train={"steps": 6, "batch_size": 1, "lr": 1e-3})

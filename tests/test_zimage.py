@@ -10,25 +10,25 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 from safetensors.torch import load_file, save_file
 
-from toolkit.config.schema import ModelConfig, NetworkConfig, SampleConfig
-from toolkit.models import get_adapter_class
-from toolkit.models.noise_schedules import FlowMatchNoiseSchedule
-from toolkit.models.zimage import ZImageAdapter
+from toolkit.config.schema import NetworkConfig, SampleConfig
+from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
+from toolkit.diffusion.timesteps import ShiftSchedule
+from toolkit.models.registry import get_adapter_class, model_config
+from toolkit.models.zimage.adapter import ZImageAdapter
 from toolkit.network.lora import add_lora, lora_state_dict, write_lora_file
-from toolkit.sampling import SampleRenderer
-from toolkit.train.timesteps import ShiftSchedule
+from toolkit.run.sampling import SampleRenderer
 
 CPU = torch.device("cpu")
 PROMPTS = ["a cat", "a much longer prompt: a red barn on a hill at dusk, oil painting"]
 
 
 def load_tiny(dtype: torch.dtype = torch.float32) -> ZImageAdapter:
-    return ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny"), CPU, dtype)
+    return ZImageAdapter.load(model_config(arch="zimage", name_or_path="tiny"), CPU, dtype)
 
 
 @pytest.fixture(scope="session")
 def tiny_zimage(tiny_cache) -> Path:
-    from toolkit.models.tiny_zimage import ensure_tiny_zimage
+    from toolkit.models.zimage.tiny import ensure_tiny_zimage
 
     return ensure_tiny_zimage()
 
@@ -41,7 +41,7 @@ def adapter(tiny_zimage) -> ZImageAdapter:
 
 @pytest.fixture(scope="session")
 def pipe(adapter) -> ZImagePipeline:
-    pipe = adapter.sampling_pipeline()
+    pipe = adapter.sampling.pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -51,7 +51,7 @@ def test_tiny_preset_loads_through_the_diffusers_folder_code(adapter, tiny_zimag
     assert adapter.source == str(tiny_zimage)
     assert adapter.divisor == 16  # VAE /8, patches of 2
     assert isinstance(adapter.noise_schedule, FlowMatchNoiseSchedule)
-    assert adapter.lora_prefix == "transformer"
+    assert adapter.files.prefix == "transformer"
     for module in (adapter.transformer, adapter.vae, adapter.text_encoder):
         assert not any(p.requires_grad for p in module.parameters())
     assert adapter.encoder_identity("text") != adapter.encoder_identity("image")
@@ -68,14 +68,14 @@ def test_prompt_embeddings_are_the_pipelines(adapter, pipe):
     assert len(theirs[0]) != len(theirs[1])
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
-    blank = adapter.blank_prompt_embeds()
+    blank = adapter.text.blank_prompt_embeds()
     assert torch.equal(adapter.caption_features(blank, torch.float32)[0], theirs[2])
 
 
 def test_overlong_prompts_count_the_chat_template(adapter):
     # byte-level tokenizer: one token per character, plus 19 for the template around the prompt
     assert len(adapter.tokenizer(adapter.chat_prompt("")).input_ids) == 19
-    assert adapter.overlong_prompts(["short", "x" * (512 - 19), "x" * (512 - 18)]) == [2]
+    assert adapter.text.overlong_prompts(["short", "x" * (512 - 19), "x" * (512 - 18)]) == [2]
 
 
 def test_latents_invert_the_pipelines_decode_formula(adapter):
@@ -131,12 +131,12 @@ def test_flow_target_is_what_the_euler_step_moves_along(adapter):
 
 
 def test_shift_schedule_only_where_the_scheduler_shifts_dynamically(adapter):
-    assert adapter.shift_schedule() is None  # Z-Image(-Turbo): use_dynamic_shifting false, shift 3.0
+    assert adapter.noise_schedule.shift_schedule is None  # Z-Image(-Turbo): use_dynamic_shifting false, shift 3.0
     dynamic = ZImageAdapter(adapter.transformer, adapter.vae, adapter.text_encoder, adapter.tokenizer,
                             FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.4, max_shift=1.2),
                             source="x")
-    assert dynamic.shift_schedule() == ShiftSchedule(base_shift=0.4, max_shift=1.2)
-    assert adapter.image_seq_len(torch.zeros(2, 16, 8, 6)) == 4 * 3  # 64 x 48 px: 2 x 2 patches of latents
+    assert dynamic.noise_schedule.shift_schedule == ShiftSchedule(base_shift=0.4, max_shift=1.2)
+    assert adapter.noise_schedule.image_seq_len(torch.zeros(2, 16, 8, 6)) == 4 * 3  # 64 x 48 px: 2 x 2 patches of latents
 
 
 def test_lora_trains_saves_and_loads_in_diffusers(tiny_zimage, tmp_path):
@@ -158,13 +158,13 @@ def test_lora_trains_saves_and_loads_in_diffusers(tiny_zimage, tmp_path):
         module.enable_adapters()
     assert not torch.allclose(with_lora, base, atol=1e-3)
 
-    state = lora_state_dict(module, adapter.lora_prefix, torch.float32)
+    state = lora_state_dict(module, adapter.files.prefix, torch.float32)
     modules = {key.rsplit(".lora.", 1)[0] for key in state}
     blocks = ["noise_refiner.0", "context_refiner.0", "layers.0", "layers.1"]
     assert modules == {f"transformer.{block}.attention.{target}" for block in blocks
                        for target in ("to_q", "to_k", "to_v", "to_out.0")}
     path = tmp_path / "lora.safetensors"
-    write_lora_file(path, state, {}, module, adapter.lora_prefix)
+    write_lora_file(path, state, {}, module, adapter.files.prefix)
     assert torch.allclose(loaded_prediction(tiny_zimage, str(path), adapter, noisy, t, embeds), with_lora, atol=1e-5)
     comfy = comfy_form(state, alpha=8.0)
     assert torch.allclose(loaded_prediction(tiny_zimage, comfy, adapter, noisy, t, embeds), with_lora, atol=1e-5)
@@ -194,10 +194,10 @@ def test_sampling_pipeline_renders_with_either_transformer(adapter, tmp_path):
     renderer = SampleRenderer(cfg, None, tmp_path / "samples", "tiny")
     renderer.check_size(adapter.divisor)
     [first] = renderer.render(adapter, step=1)
-    assert adapter.sampling_only_modules() == []
+    assert adapter.sampling.only_modules() == []
     adapter.sampling_transformer = ZImageAdapter.load_transformer("tiny-turbo", torch.float32)
     try:
-        assert adapter.sampling_only_modules() == [adapter.sampling_transformer]
+        assert adapter.sampling.only_modules() == [adapter.sampling_transformer]
         [second] = renderer.render(adapter, step=2)
     finally:
         adapter.sampling_transformer = None
@@ -209,7 +209,7 @@ def test_sampling_pipeline_renders_with_either_transformer(adapter, tmp_path):
 
 
 def test_turbo_preset_is_another_transformer_over_the_same_encoders(tiny_zimage):
-    from toolkit.models.tiny_zimage import ensure_tiny_zimage_turbo
+    from toolkit.models.zimage.tiny import ensure_tiny_zimage_turbo
 
     turbo = ensure_tiny_zimage_turbo()
     for part, same in (("text_encoder/model", True), ("vae/diffusion_pytorch_model", True),
@@ -244,7 +244,7 @@ def original_layout(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
 def test_single_file_transformer_loads_the_same_weights(adapter, tiny_zimage, tmp_path, prefix):
     path = tmp_path / "z_image_tiny.safetensors"
     save_file(original_layout(tiny_zimage, prefix), str(path))
-    cfg = ModelConfig(arch="zimage", name_or_path=str(path), single_file_config=str(tiny_zimage))
+    cfg = model_config(arch="zimage", name_or_path=str(path), single_file_config=str(tiny_zimage))
     from_file = ZImageAdapter.load(cfg, CPU, torch.float32)
     ours, theirs = from_file.transformer.state_dict(), adapter.transformer.state_dict()
     assert ours.keys() == theirs.keys()
@@ -315,7 +315,7 @@ def assistant_probe(adapter: ZImageAdapter, transformer=None) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["assistant.safetensors", "assistant_comfy.safetensors"])
 def test_assistant_lora_is_merged_into_the_training_transformer_only(assistant_files, name):
     folder, wearer = assistant_files
-    cfg = ModelConfig(arch="zimage", name_or_path="tiny", assistant_lora_path=str(folder / name),
+    cfg = model_config(arch="zimage", name_or_path="tiny", assistant_lora_path=str(folder / name),
                       sampling={"name_or_path": "tiny-turbo"})
     merged = ZImageAdapter.load(cfg, CPU, torch.float32)
     torch.testing.assert_close(assistant_probe(merged), assistant_probe(wearer), atol=1e-5, rtol=1e-5)
@@ -326,7 +326,7 @@ def test_assistant_lora_is_merged_into_the_training_transformer_only(assistant_f
 
 
 def test_missing_assistant_lora_is_named(tmp_path):
-    cfg = ModelConfig(arch="zimage", name_or_path="tiny", assistant_lora_path=str(tmp_path / "absent.safetensors"))
+    cfg = model_config(arch="zimage", name_or_path="tiny", assistant_lora_path=str(tmp_path / "absent.safetensors"))
     with pytest.raises(FileNotFoundError, match="model.assistant_lora_path"):
         ZImageAdapter.load(cfg, CPU, torch.float32)
 
@@ -335,5 +335,16 @@ def test_token_shuffling_span_is_the_caption_inside_the_chat_template(adapter):
     """Cached-embedding token shuffling moves only the caption's tokens, never the template around them."""
     caption = "red circle, blue square, green"
     ids = adapter.tokenizer(adapter.chat_prompt(caption)).input_ids
-    first, stop = adapter.caption_token_span(len(ids))
+    first, stop = adapter.text.caption_token_span(len(ids))
     assert adapter.tokenizer.decode(ids[first:stop]) == caption
+
+
+def test_only_the_rendering_process_loads_the_sampling_transformer(tiny_cache):
+    """`sampling_models=False` (every process but the main one): the separate sampling transformer is neither
+    loaded nor quantized, and nothing mirrors the LoRA onto it."""
+    cfg = model_config(arch="zimage", name_or_path="tiny", sampling={"name_or_path": "tiny-turbo"})
+    without = ZImageAdapter.load(cfg, CPU, torch.float32, sampling_models=False)
+    assert without.sampling_transformer is None and without.sampling.mirrors() == []
+    with_it = ZImageAdapter.load(cfg, CPU, torch.float32)
+    assert with_it.sampling_transformer is not None
+    assert with_it.sampling.mirrors() == [with_it.sampling_transformer]

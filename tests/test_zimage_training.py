@@ -3,13 +3,14 @@ transformer that shares the trained LoRA, low-VRAM placement, memory records, an
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
 import pytest
 import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
-from helpers import QUICKSTART_DATA, held_out_loss, launch, trainer_process, write_job
+from helpers import QUICKSTART_DATA, REPO, held_out_loss, launch, trainer_process, write_job
 from optimum.quanto import qfloat8, qint8
 from optimum.quanto.nn import QModuleMixin
 from PIL import Image
@@ -17,15 +18,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import toolkit.device
-from jobs import get_job
-from jobs.process.base_sd_train_process import BaseSDTrainProcess
-from toolkit.config import load_config
+from jobs.job import get_job
+from toolkit.config.loader import load_config
 from toolkit.config.schema import DatasetConfig
 from toolkit.data.dataset import build_dataset, load_pixels
-from toolkit.metrics import read_metrics
-from toolkit.models.tiny_zimage import TINY_ZIMAGE
-from toolkit.models.zimage import ZImageAdapter
+from toolkit.models.zimage.adapter import ZImageAdapter
+from toolkit.models.zimage.tiny import TINY_ZIMAGE
 from toolkit.quantize import quantize_blockwise, weight_bytes
+from toolkit.run.metrics import read_metrics
+from toolkit.run.monitor import Monitor
 
 UPDATES = 40
 MODEL = {"arch": "zimage", "name_or_path": "tiny", "quantize": True, "qtype": "qint8", "low_vram": True,
@@ -65,22 +66,24 @@ def trained(tmp_path_factory, registry):
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     samplings: list[dict] = []
-    real_sample = BaseSDTrainProcess.sample
+    real_sample = Monitor.sample
 
     def observed_sample(self, step):
-        rng, weights = torch.get_rng_state(), [p.detach().clone() for p in self.lora_params]
+        sampler = self.sampler
+        lora_params = [p for p in sampler.trained_module.parameters() if p.requires_grad]
+        rng, weights = torch.get_rng_state(), [p.detach().clone() for p in lora_params]
         real_sample(self, step)
         samplings.append({
             "step": step, "rng_kept": torch.equal(torch.get_rng_state(), rng),
-            "training_after": self.trained_module.training,
-            "no_grads": all(p.grad is None for p in self.lora_params),
-            "weights_kept": all(torch.equal(p, w) for p, w in zip(self.lora_params, weights)),
-            "sampling_transformer_training": self.adapter.sampling_transformer.training,
+            "training_after": sampler.trained_module.training,
+            "no_grads": all(p.grad is None for p in lora_params),
+            "weights_kept": all(torch.equal(p, w) for p, w in zip(lora_params, weights)),
+            "sampling_transformer_training": sampler.adapter.sampling_transformer.training,
         })
 
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(BaseSDTrainProcess, "sample", observed_sample)
+            patch.setattr(Monitor, "sample", observed_sample)
             config, path = load_config(str(write_job(tmp / "job.yaml", "zimage", process)), registry)
             job = get_job(config, path, registry)
             job.run()
@@ -101,6 +104,7 @@ def quantized_types(module: torch.nn.Module) -> set:
     return {m.weight_qtype for m in module.modules() if isinstance(m, QModuleMixin)}
 
 
+@pytest.mark.slow
 def test_run_is_finite_and_writes_samples(trained):
     _, run_dir, _, _ = trained
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -110,6 +114,7 @@ def test_run_is_finite_and_writes_samples(trained):
                                                                         "step_000000040_0.png"]
 
 
+@pytest.mark.slow
 def test_transformers_are_quantized_as_asked(trained):
     process, _, _, _ = trained
     adapter = process.adapter
@@ -120,6 +125,7 @@ def test_transformers_are_quantized_as_asked(trained):
     assert not any(isinstance(m, QModuleMixin) for m in adapter.transformer.all_final_layer.modules())
 
 
+@pytest.mark.slow
 def test_sampling_transformer_shares_the_trained_lora(trained):
     """After 40 updates the sampling transformer's LoRA tensors are the trained ones: same storage."""
     process, _, _, _ = trained
@@ -133,6 +139,7 @@ def test_sampling_transformer_shares_the_trained_lora(trained):
     assert any(p.abs().sum() > 0 for p in process.lora_params if p.shape[0] > p.shape[-1])  # lora_B moved from 0
 
 
+@pytest.mark.slow
 def test_lora_lowers_the_held_out_loss_and_loads_in_diffusers(trained):
     process, run_dir, _, _ = trained
     adapter = process.adapter
@@ -160,6 +167,7 @@ def test_lora_lowers_the_held_out_loss_and_loads_in_diffusers(trained):
     assert outputs[0] < base * 0.95, (base, outputs[0])
 
 
+@pytest.mark.slow
 def test_comfy_file_uses_the_diffusion_model_prefix(trained):
     _, run_dir, _, _ = trained
     with safe_open(str(run_dir / "zimage.comfy.safetensors"), "pt") as handle:
@@ -169,6 +177,7 @@ def test_comfy_file_uses_the_diffusion_model_prefix(trained):
     assert "diffusion_model.layers.0.attention.to_q.alpha" in keys
 
 
+@pytest.mark.slow
 def test_memory_records_cover_the_stages(trained):
     _, _, memory, _ = trained
     labels = [record["label"] for record in memory]
@@ -179,6 +188,7 @@ def test_memory_records_cover_the_stages(trained):
     assert all("rss_before" in record and record["seconds"] >= 0 for record in memory)
 
 
+@pytest.mark.slow
 def test_sampling_leaves_training_state_untouched(trained):
     """Each sample() during the run: the global RNG, train mode, gradients and LoRA weights as before."""
     _, _, _, samplings = trained
@@ -188,6 +198,7 @@ def test_sampling_leaves_training_state_untouched(trained):
         assert not s["sampling_transformer_training"]
 
 
+@pytest.mark.slow
 def test_low_vram_moves_go_through_the_device_helper(tmp_path, registry, monkeypatch):
     """With low_vram, the encoders visit the accelerator only to build the caches and then leave; the sampling
     transformer arrives for sampling and leaves after it, without taking the trained LoRA along."""
@@ -199,7 +210,6 @@ def test_low_vram_moves_go_through_the_device_helper(tmp_path, registry, monkeyp
         return real(module, device)
 
     monkeypatch.setattr(toolkit.device, "safe_module_to_device", recording)
-    monkeypatch.setattr("jobs.process.base_sd_train_process.safe_module_to_device", recording)
     process = zimage_process(tmp_path, train={"steps": 2, "cache_text_embeddings": True},
                              sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64})
     config, path = load_config(str(write_job(tmp_path / "job.yaml", "lv", process)), registry)
@@ -229,17 +239,26 @@ def test_quantized_sampling_transformer_is_about_half_of_bf16():
     assert weight_bytes(transformer) <= 0.55 * bf16, weight_bytes(transformer) / bf16
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_quantized_transformer(tmp_path):
-    """DDP over a quanto-quantized frozen base (gloo): the planned updates, finite losses, the LoRA written."""
+    """DDP over a quanto-quantized frozen base (gloo): the planned updates, finite losses, the LoRA written. Only
+    the main process renders samples, so only it loads (and quantizes) the separate sampling transformer."""
     process = zimage_process(tmp_path, train={"steps": 4, "batch_size": 1, "cache_text_embeddings": True},
                              sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64})
-    result = launch(write_job(tmp_path / "job.yaml", "two", process), 2, tmp_path)
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    result = launch(write_job(tmp_path / "job.yaml", "two", process), 2, tmp_path,
+                    script=REPO / "tests" / "instrumented_run.py", env={"DIFFTUNE_TEST_RECORD_MODEL_LOADS": str(loads)})
     assert result.returncode == 0, result.stderr[-3000:]
+    recorded = {path.stem: json.loads(path.read_text()) for path in loads.iterdir()}
+    assert recorded == {"rank0": {"sampling_models": True, "sampling_transformer": True},
+                        "rank1": {"sampling_models": False, "sampling_transformer": False}}
     records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in records)
     assert (tmp_path / "output" / "two" / "two.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_resume_with_a_shared_sampling_lora_is_exact(tmp_path, registry):
     """2 updates, then a rerun with 4: the same LoRA as 4 updates in one go (quantized base, sampling mirror)."""
     def run(name: str, steps: int):
@@ -265,11 +284,12 @@ def test_resume_with_a_shared_sampling_lora_is_exact(tmp_path, registry):
 def test_moving_the_sampling_transformer_leaves_the_trained_lora_in_place(tiny_cache, kind):
     """The mirror shares the trained LoRA's modules; while it moves (here to `meta`, where a moved tensor would
     lose its data) they are detached, so the trained LoRA stays put. Without detaching it would move along."""
-    from toolkit.config.schema import ModelConfig, NetworkConfig
+    from toolkit.config.schema import NetworkConfig
     from toolkit.device import safe_module_to_device
+    from toolkit.models.registry import model_config
     from toolkit.network.lora import add_lora, mirror_lora
 
-    adapter = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny",
+    adapter = ZImageAdapter.load(model_config(arch="zimage", name_or_path="tiny",
                                              sampling={"name_or_path": "tiny-turbo"}), torch.device("cpu"),
                                  torch.float32)
     network = NetworkConfig(type=kind, linear=4, linear_alpha=4)
@@ -295,10 +315,11 @@ def test_moving_the_sampling_transformer_leaves_the_trained_lora_in_place(tiny_c
 def test_precomputed_sampling_conditioning_renders_the_same_image(tiny_cache):
     """Sampling encodes the prompts first (so the text encoder can leave before the sampling model arrives):
     the images equal the pipeline's own encoding, with guidance and a negative prompt too."""
-    from toolkit.config.schema import ModelConfig, SampleConfig
-    from toolkit.sampling import SampleRenderer
+    from toolkit.config.schema import SampleConfig
+    from toolkit.models.registry import model_config
+    from toolkit.run.sampling import SampleRenderer
 
-    adapter = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    adapter = ZImageAdapter.load(model_config(arch="zimage", name_or_path="tiny"), torch.device("cpu"), torch.float32)
     cfg = SampleConfig(prompts=["a red circle"], neg="blurry", guidance_scale=3.0, sample_steps=2, width=64, height=64)
     images = {}
     for name, conditioning in (("pipeline", None), ("precomputed", None)):
@@ -312,10 +333,10 @@ def test_precomputed_sampling_conditioning_renders_the_same_image(tiny_cache):
 
 
 def test_quantized_text_encoder_still_encodes(tiny_cache):
-    from toolkit.config.schema import ModelConfig
+    from toolkit.models.registry import model_config
 
-    plain = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny"), torch.device("cpu"), torch.float32)
-    quantized = ZImageAdapter.load(ModelConfig(arch="zimage", name_or_path="tiny", quantize_te=True, qtype_te="qint8"),
+    plain = ZImageAdapter.load(model_config(arch="zimage", name_or_path="tiny"), torch.device("cpu"), torch.float32)
+    quantized = ZImageAdapter.load(model_config(arch="zimage", name_or_path="tiny", quantize_te=True, qtype_te="qint8"),
                                    torch.device("cpu"), torch.float32)
     assert quantized_types(quantized.text_encoder) == {qint8}
     assert not isinstance(quantized.text_encoder.embed_tokens, QModuleMixin)

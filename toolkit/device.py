@@ -209,3 +209,34 @@ def describe_memory(record: dict[str, Any]) -> str:
             before, after = record[f"{key}_before"] / 2**20, record[f"{key}_after"] / 2**20
             parts.append(f"{key} {before:.0f}->{after:.0f} MiB")
     return ", ".join(parts)
+
+
+class ModulePlacement:
+    """Where the frozen encoders are during a run. With `low_vram` they wait on the CPU and visit the accelerator
+    only while they work; once their outputs are cached they leave it (`offload`) and come back only to render
+    samples."""
+
+    def __init__(self, device: torch.device, low_vram: bool, debug_memory: bool = False):
+        self.device = device
+        self.low_vram = low_vram
+        self.debug_memory = debug_memory
+        #: modules moved off the accelerator for the rest of training
+        self.offloaded: list[torch.nn.Module] = []
+
+    def visiting(self, modules: list[torch.nn.Module]):
+        return modules_on(modules, self.device) if self.low_vram else nullcontext()
+
+    def offload(self, modules: list[torch.nn.Module], label: str) -> None:
+        with memory_debug(label, self.debug_memory):
+            for module in modules:
+                safe_module_to_device(module, "cpu")
+        self.offloaded += modules
+
+    def is_offloaded(self, module: torch.nn.Module) -> bool:
+        return any(module is other for other in self.offloaded)
+
+    def keep_on_device(self, modules: list[torch.nn.Module]) -> None:
+        """Modules still needed in the loop (live encoding) are on the accelerator, also under low_vram."""
+        for module in modules:
+            if not self.is_offloaded(module):
+                safe_module_to_device(module, self.device)

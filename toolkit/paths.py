@@ -11,6 +11,8 @@ import os
 import re
 from pathlib import Path
 
+from toolkit.errors import PathNotFound
+
 #: `owner/name` as the hub spells repository ids
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
@@ -32,6 +34,6 @@ def normalize_path(value: str, key: str = "model.name_or_path") -> str:
     if Path(expanded).exists():
         return str(Path(expanded))
     if looks_local(text) or looks_local(expanded):
-        raise FileNotFoundError(f"{key}: {value.strip()!r} looks like a local path but does not exist"
+        raise PathNotFound(f"{key}: {value.strip()!r} looks like a local path but does not exist"
                                 + (f" (expanded to {expanded})" if expanded != text else ""))
     return expanded

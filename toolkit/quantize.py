@@ -13,7 +13,7 @@ import torch
 from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
 from optimum.quanto.nn import QModuleMixin
 
-from .device import safe_module_to_device
+from toolkit.device import safe_module_to_device
 
 QTYPES = {"qfloat8": qfloat8, "qint8": qint8, "qint4": qint4}
 
@@ -35,6 +35,61 @@ def keep_qfloat8_off_marlin() -> None:
     without_marlin.difftune_guard = True
     without_marlin.__wrapped_original__ = original
     qbytes.is_extension_available = without_marlin
+
+
+def keep_quantized_linear_dtypes_matched() -> None:
+    """Let a LoRA train on a quantized base whose dtype is not the autocast dtype (`model.dtype` float32, the
+    CPU default, with `train.dtype: bf16`). Two optimum-quanto (0.2.7) bugs stop it; both patches below change
+    nothing when the dtypes already match (a bf16 base under bf16 autocast, the CUDA default):
+
+    - quanto's quantized linear (`QuantizedLinearFunction`, the autograd function of every QLinear) computes
+      its forward under autocast, so a layer without bias returns bf16, but its backward runs outside autocast
+      and multiplies that bf16 gradient with the weight, dequantized to the weight's float32: "expected m1 and
+      m2 to have the same dtype". On any device. The gradient is brought to the weight's dtype first.
+    - on the CPU, quanto's qint8 matmul sends bf16 activations to `torch._weight_int8pack_mm`, which needs the
+      scales in the activations' dtype too, and the float32 scales fail: "expected scalar type BFloat16 but
+      found Float". Such a call takes quanto's generic path instead (dequantize, then matmul, where autocast
+      applies), the one it takes on CUDA."""
+    from optimum.quanto.library import qbytes_mm as kernels
+    from optimum.quanto.tensor.function import QuantizedLinearFunction
+
+    backward = QuantizedLinearFunction.backward
+    if not getattr(backward, "difftune_guard", False):
+
+        def backward_in_weight_dtype(ctx, grad_output: torch.Tensor):
+            """quanto's own backward (0.2.7), with the gradient brought to the weight's dtype first. Written out
+            rather than wrapped: the dtype is known only from the saved tensors, and under gradient checkpointing
+            those unpack once, so a wrapper that looked at them would break quanto's own unpacking."""
+            input, other = ctx.saved_tensors
+            if grad_output.dtype != other.dtype:
+                grad_output = grad_output.to(other.dtype)  # the engine brings the input's gradient back
+            input_grad = other_grad = bias_grad = None
+            out_features, in_features = other.shape
+            if ctx.needs_input_grad[0]:
+                input_grad = torch.matmul(grad_output, other)
+            if ctx.needs_input_grad[1]:
+                other_grad = torch.matmul(grad_output.view(-1, out_features).t(), input.view(-1, in_features))
+            if ctx.needs_input_grad[2]:
+                bias_grad = grad_output.sum(tuple(range(grad_output.ndim - 1)))
+            return input_grad, other_grad, bias_grad
+
+        backward_in_weight_dtype.difftune_guard = True
+        backward_in_weight_dtype.__wrapped_original__ = backward
+        # every quantized linear function (qint8/qfloat8, qint4, Marlin, ...) inherits this backward
+        QuantizedLinearFunction.backward = backward_in_weight_dtype
+
+    int8pack_mm = kernels.qbytes_int8pack_mm
+    if not getattr(int8pack_mm, "difftune_guard", False):
+
+        def int8pack_mm_of_one_dtype(activations, weights, output_scales):
+            if activations.dtype != output_scales.dtype:
+                return kernels.qbytes_mm(activations, weights, output_scales)
+            return int8pack_mm(activations, weights, output_scales)
+
+        int8pack_mm_of_one_dtype.difftune_guard = True
+        int8pack_mm_of_one_dtype.__wrapped_original__ = int8pack_mm
+        # quanto's CPU kernel looks this name up in its module when it runs
+        kernels.qbytes_int8pack_mm = int8pack_mm_of_one_dtype
 
 
 def quanto_qtype(name: str):
@@ -62,6 +117,7 @@ def quantize_blockwise(
     """
     weights = quanto_qtype(qtype)
     keep_qfloat8_off_marlin()
+    keep_quantized_linear_dtypes_matched()
     exclude = list(exclude or [])
     if any(isinstance(module, QModuleMixin) for module in model.modules()):
         raise ValueError(f"{type(model).__name__} is already quantized; quantize a full-precision model once")

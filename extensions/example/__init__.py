@@ -2,7 +2,9 @@
 
 It scans the dataset folders exactly as training would (skipping unreadable images, applying the
 trigger word, assigning buckets) and writes `<training_folder>/<name>/dataset_report.json`. An
-extension is a package in extensions/ with a `register(registry)` function.
+extension is a package in extensions/ with a `register(registry)` function. It imports the training libraries
+(accelerate, torch through toolkit.data) where it runs, not at the top: extensions are imported whenever a job file
+is checked, and checking stays fast.
 """
 
 from __future__ import annotations
@@ -13,12 +15,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-from accelerate import PartialState
 from pydantic import Field
 
 from jobs.process.base_process import BaseProcess
 from toolkit.config.schema import DatasetConfig, Section
-from toolkit.data.dataset import items_for_dataset, scan_folder
+from toolkit.files import write_text_atomic
 
 log = logging.getLogger("difftune")
 
@@ -37,17 +38,18 @@ class DatasetReport(BaseProcess):
     config: DatasetReportConfig
 
     def run(self) -> None:
+        from accelerate import PartialState
+
         report = [self.describe(cfg) for cfg in self.config.datasets]
         if not PartialState().is_main_process:  # under accelerate launch, one process writes
             return
         out = Path(self.config.training_folder) / self.job.name / "dataset_report.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
-        tmp.replace(out)
+        write_text_atomic(out, json.dumps(report, indent=2))
         log.info("dataset report written to %s", out)
 
     def describe(self, cfg: DatasetConfig) -> dict:
+        from toolkit.data.dataset import items_for_dataset, scan_folder
+
         records = scan_folder(cfg, self.config.trigger_word)
         items = items_for_dataset(records, cfg, self.config.divisor)
         buckets = Counter(f"{w}x{h}" for w, h in (item.bucket for item in items))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from ..job import JobContext
+from jobs.context import JobContext
 
 
 class BaseProcess:

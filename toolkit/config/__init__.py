@@ -1,6 +1,1 @@
-"""Job configuration: typed schema and the loader that validates job files against it."""
-
-from .loader import ConfigError, load_config
-from .schema import JobConfig, SDTrainerConfig
-
-__all__ = ["ConfigError", "JobConfig", "SDTrainerConfig", "load_config"]
+"""Job configuration: typed schema (toolkit.config.schema) and the loader that validates job files (toolkit.config.loader)."""

@@ -11,8 +11,8 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from .loader import _unwrap_model
-from .schema import JobBody, JobConfig, SDTrainerConfig
+from toolkit.config.loader import _tagged_members, _unwrap_model
+from toolkit.config.schema import JobBody, JobConfig, SDTrainerConfig
 
 INTRO = """# Config reference
 
@@ -26,6 +26,8 @@ path and suggest the closest key. Relative paths are relative to the directory y
 
 
 def _type_name(annotation) -> str:
+    if _tagged_members(annotation):
+        return "section of the `arch` family"
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return " \\| ".join(f"`{value}`" for value in args)
@@ -58,13 +60,17 @@ def section(title: str, model: type[BaseModel], seen: set, prefix: str | None = 
     for name, field in model.model_fields.items():
         desc = (field.description or "").replace("|", "\\|")
         lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {desc} |")
+        for tag, member in _tagged_members(field.annotation).items():
+            if member not in seen:
+                seen.add(member)
+                children.append((f"`{prefix}.{name}` (`{field.discriminator}: {tag}`)", f"{prefix}.{name}", member))
         inner = _unwrap_model(field.annotation)
         if isinstance(inner, type) and issubclass(inner, BaseModel) and inner not in seen:
             seen.add(inner)
-            children.append((f"{prefix}.{name}", inner))
+            children.append((f"`{prefix}.{name}`", f"{prefix}.{name}", inner))
     lines.append("")
-    for child_title, child in children:
-        lines += section(f"`{child_title}`", child, seen, prefix=child_title)
+    for child_title, child_prefix, child in children:
+        lines += section(child_title, child, seen, prefix=child_prefix)
     return lines
 
 

@@ -14,13 +14,14 @@ from typing import Any, Callable
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .schema import JobConfig
+from toolkit.config.schema import JobConfig
+from toolkit.errors import UserError
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A job file that cannot be used; the message names the file and the key."""
 
 
@@ -113,17 +114,70 @@ def format_loc(loc: tuple, prefix: str = "") -> str:
 
 
 def _section_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model that holds the last key of `loc` (walking fields and list items)."""
+    """The pydantic model that holds the last key of `loc` (walking fields, list items and, for `model`, the
+    family chosen by its `arch`)."""
     current: Any = model
     for part in loc:
         current = _unwrap_model(current)
         if isinstance(part, int):
+            continue
+        members = _tagged_members(current)
+        if part in members:
+            current = members[part]
             continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
             return None
         current = current.model_fields[part].annotation
     current = _unwrap_model(current)
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _tagged_members(annotation: Any) -> dict[str, type[BaseModel]]:
+    """A tagged union's members by tag (e.g. `model`: arch -> the family's config class): a union of sections that
+    all have one key typed as a Literal. Empty for anything else."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return {}
+    members = typing.get_args(annotation)
+    if not all(isinstance(m, type) and issubclass(m, BaseModel) for m in members):
+        return {}
+    tags = [name for name in members[0].model_fields
+            if all(typing.get_origin(m.model_fields[name].annotation) is typing.Literal
+                   for m in members if name in m.model_fields) and all(name in m.model_fields for m in members)]
+    if not tags:
+        return {}
+    return {value: member for member in members for value in typing.get_args(member.model_fields[tags[0]].annotation)}
+
+
+def _field_annotation(model: type[BaseModel], loc: tuple) -> Any:
+    """The annotation of the field at a user-level `loc` (list indices skipped)."""
+    current: Any = model
+    for part in loc:
+        current = _unwrap_model(current)
+        if isinstance(part, int):
+            continue
+        current = current.model_fields[part].annotation
+    return current
+
+
+def _user_loc(model: type[BaseModel], loc: tuple) -> tuple:
+    """`loc` as the user wrote it: pydantic puts the chosen tag of a discriminated union (`model.zimage.qtype`)
+    into the path; the job file has no such level."""
+    out, current = [], model
+    for part in loc:
+        current = _unwrap_model(current)
+        if isinstance(part, int):
+            out.append(part)
+            continue
+        members = _tagged_members(current)
+        if part in members:
+            current = members[part]
+            continue
+        out.append(part)
+        fields = getattr(current, "model_fields", {}) if isinstance(current, type) else {}
+        current = fields[part].annotation if part in fields else None
+    return tuple(out)
 
 
 def _unwrap_model(annotation: Any) -> Any:
@@ -154,17 +208,40 @@ def suggest_key(section: type[BaseModel] | None, key: str) -> str | None:
 def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, prefix: str = "") -> list[str]:
     lines = []
     for item in err.errors():
-        loc = tuple(item["loc"])
+        loc = _user_loc(model, tuple(item["loc"]))
         where = format_loc(loc, prefix) or prefix or "(top level)"
         if item["type"] == "extra_forbidden":
-            hint = suggest_key(_section_at(model, loc[:-1]), str(loc[-1]))
-            msg = "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
+            msg = _unknown_key(_section_at(model, tuple(item["loc"])[:-1]), str(loc[-1]))
         elif item["type"] == "missing":
             msg = "required key is missing"
+        elif item["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            tag = item["ctx"]["discriminator"].strip("'")
+            where = format_loc(loc + (tag,), prefix)
+            given = item["ctx"].get("tag")
+            expected = ", ".join(_tagged_members(_field_annotation(model, loc)))
+            msg = (f"unknown {tag} '{given}' (known: {expected})" if item["type"] == "union_tag_invalid"
+                   else f"required key is missing (one of: {expected})")
         else:
             msg = item["msg"]
         lines.append(f"  {where}: {msg}")
     return lines
+
+
+def _unknown_key(section: type[BaseModel] | None, key: str) -> str:
+    """The message for a key `section` does not have: a close name of the same section, or, in a family's `model`
+    section, which families do have it."""
+    hint = suggest_key(section, key)
+    others = getattr(section, "facts", None) is not None and _families_with_key(key)
+    if others:
+        arch = typing.get_args(section.model_fields["arch"].annotation)
+        return f"not a key of arch {arch[0] if arch else '?'} (only of: {', '.join(others)})"
+    return "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
+
+
+def _families_with_key(key: str) -> list[str]:
+    from toolkit.models.registry import available_archs, config_class
+
+    return [arch for arch in available_archs() if key in config_class(arch).model_fields]
 
 
 def validate_job(data: dict[str, Any], path: Path, process_models: typing.Mapping[str, type[BaseModel]]) -> JobConfig:
@@ -194,6 +271,17 @@ def validate_job(data: dict[str, Any], path: Path, process_models: typing.Mappin
         raise ConfigError(f"{path}: invalid config\n" + "\n".join(problems))
     job.config.process = typed
     return job
+
+
+def check_paths(job: JobConfig, path: Path) -> None:
+    """The file-system checks of every process (toolkit.config.preflight), all problems at once, before any model
+    loads."""
+    from toolkit.config.preflight import path_problems
+
+    problems = [f"  config.process[{index}].{problem}" for index, process in enumerate(job.config.process)
+                for problem in path_problems(process)]
+    if problems:
+        raise ConfigError(f"{path}: " + "\n".join(["paths not found"] + problems))
 
 
 def load_config(

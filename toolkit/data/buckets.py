@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from ..train.seeding import seeded_generator
+from toolkit.train.seeding import seeded_generator
 
 MAX_ASPECT = 4.0
 

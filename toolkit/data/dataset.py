@@ -10,16 +10,17 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from ..config.schema import DatasetConfig
-from .buckets import bucket_sizes, nearest_bucket, resolutions_for_image
-from .captions import apply_trigger, read_caption
+from toolkit.config.sections import DatasetConfig
+from toolkit.data.buckets import bucket_sizes, nearest_bucket, resolutions_for_image
+from toolkit.data.captions import apply_trigger, read_caption
+from toolkit.data.media import IMAGE_EXTENSIONS, sample_files
+from toolkit.errors import UserError
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 EXIF_ORIENTATION = 0x0112
 log = logging.getLogger("difftune")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset that cannot be trained on; the message names the folder or file."""
 
 
@@ -63,7 +64,7 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None) -> list[ImageRecor
     if not folder.is_dir():
         raise DatasetError(f"dataset folder not found: {folder}")
     records = []
-    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
+    for path in sample_files(folder):
         try:
             width, height = read_image_size(path)
         except Exception as err:  # PIL raises many types for broken files; all mean "skip it"

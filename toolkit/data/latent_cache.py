@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..models.base import LatentDist, ModelAdapter
-from .dataset import ImageDataset, TrainItem, load_pixels
+from toolkit.data.dataset import ImageDataset, TrainItem, load_pixels
+from toolkit.files import write_atomic
+from toolkit.models.base import LatentDist, ModelAdapter
 
 log = logging.getLogger("difftune")
 CACHE_FOLDER = "_difftune_cache"
@@ -90,13 +90,10 @@ class LatentCache:
 
     @staticmethod
     def write(path: Path, entry: LatentDist) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"mean": entry.mean.contiguous()}
         if entry.std is not None:
             tensors["std"] = entry.std.contiguous()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
     def get(self, index: int) -> LatentDist:
         if self.keys[index] in self.memory and not self.to_disk[self.dataset.items[index].dataset]:

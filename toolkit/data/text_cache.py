@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,11 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..config.schema import DatasetConfig
-from ..models.base import ModelAdapter, PromptEmbeds
-from ..train.seeding import seeded_generator
-from .captions import process_caption
-from .dataset import ImageDataset
+from toolkit.config.sections import DatasetConfig
+from toolkit.data.captions import process_caption
+from toolkit.data.dataset import ImageDataset
+from toolkit.files import write_atomic
+from toolkit.models.base import ModelAdapter, PromptEmbeds
+from toolkit.train.seeding import seeded_generator
 
 log = logging.getLogger("difftune")
 BLANK = ""
@@ -106,11 +106,7 @@ class CachedCaptions:
             tensors["attention_mask"] = embeds.attention_mask[row].cpu().contiguous()
         if embeds.lengths is not None:
             tensors["length"] = embeds.lengths[row].reshape(1).cpu()
-        path = self.path(caption)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        write_atomic(self.path(caption), lambda tmp: save_file(tensors, str(tmp)))
 
     def load(self, caption: str) -> dict[str, torch.Tensor]:
         """A cached entry; the most used ones (blank prompt, trigger word, frequent captions) stay in
@@ -160,7 +156,7 @@ class CachedCaptions:
             cfg = self.cfgs[self.dataset.items[index].dataset]
             if cfg.shuffle_tokens and key != BLANK and "length" in entry:
                 generator = seeded_generator(self.seed, "token_shuffle", epoch, index)
-                embeds = permute_tokens(embeds, self.adapter.caption_token_span(int(entry["length"])), generator)
+                embeds = permute_tokens(embeds, self.adapter.text.caption_token_span(int(entry["length"])), generator)
             rows.append(embeds)
             masks.append(entry.get("attention_mask"))
             lengths.append(entry.get("length"))

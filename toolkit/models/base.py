@@ -1,15 +1,23 @@
-"""The ModelAdapter contract: the only view of a model family the trainer has."""
+"""The family contract: the only view of a model family the trainer has.
+
+A small core every family implements (`ModelAdapter`: load, encode prompts, encode images, predict, the trained
+module and its LoRA targets, the noise schedule), plus optional parts grouped as small typed objects with
+defaults: the LoRA file format (`LoraFileFormat`, class-level), the text rules (`TextRules`) and the sampling
+parts (`SamplingParts`). What a family can do is stated before any weight loads, in its config class's
+`FamilyFacts` (toolkit/models/config.py), which the adapter shares as `facts`."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 
-from ..config.schema import ModelConfig
-from ..device import to_device
+from toolkit.device import to_device
+from toolkit.diffusion.schedules import NoiseSchedule
+from toolkit.models.config import FamilyFacts, ModelConfigBase
 
 
 @dataclass
@@ -38,54 +46,94 @@ class LatentDist:
     std: torch.Tensor | None = None
 
 
-class NoiseSchedule(ABC):
-    """How the family turns clean latents into a training example.
+@dataclass(frozen=True)
+class LoraFileFormat:
+    """How the family's LoRA files name its trained module."""
 
-    Timestep samplers draw `u` in (0, 1) per sample; the schedule maps it to the family's own timestep.
-    """
-
-    @abstractmethod
-    def timesteps(self, u: torch.Tensor) -> torch.Tensor: ...
-
-    @abstractmethod
-    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
-
-    @abstractmethod
-    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
-
-    #: "epsilon", "v_prediction" or "flow_matching": picks the min-SNR weight formula
-    prediction_type: str
-
-    @abstractmethod
-    def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """Signal-to-noise ratio of each sample's timestep (on the CPU)."""
-
-
-class ModelAdapter(ABC):
-    """One model family. Built by `load`; the trainer calls only the methods below."""
-
-    arch: ClassVar[str]
-    noise_schedule: NoiseSchedule
-    #: image sides must be multiples of this (latent downscale x denoiser downscale)
-    divisor: int
-    #: key prefix of the trained module in saved LoRA files (diffusers' convention)
-    lora_prefix: ClassVar[str]
-    #: the same module's prefix in ComfyUI/kohya LoRA files, and the kohya base-model tag
-    comfy_prefix: ClassVar[str]
+    #: key prefix of the trained module in diffusers-form files (what `load_lora_weights` expects)
+    prefix: str
+    #: the same module's prefix in ComfyUI/kohya files
+    comfy_prefix: str
     #: how the ComfyUI prefix and the module path join: "_" (kohya: lora_unet_down_blocks_0_...) or "."
-    comfy_separator: ClassVar[str] = "_"
-    kohya_base_model: ClassVar[str]
+    comfy_separator: str = "_"
+    #: kohya's base-model tag in the file header
+    kohya_base_model: str = ""
+    #: `save.formats` when the config leaves it unset
+    default_formats: tuple[str, ...] = ("diffusers", "comfy")
 
-    #: `save.formats` when the config leaves it unset: both where the family has a ComfyUI form
-    default_save_formats: ClassVar[tuple[str, ...]] = ("diffusers", "comfy")
+
+class TextRules:
+    """How a family's prompts become conditioning beyond `encode_prompts`; the defaults fit a CLIP-style
+    encoder with a start and an end token and no length warning."""
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+
+    def blank_prompt_embeds(self) -> PromptEmbeds:
+        """The empty prompt's conditioning (blank-prompt preservation, caption dropout)."""
+        return self.adapter.encode_prompts([""])
+
+    def caption_token_span(self, length: int) -> tuple[int, int]:
+        """[first, stop) positions of the caption's own tokens in a prompt of `length` tokens (cached-embedding
+        token shuffling moves only these): between the start and the end token by default."""
+        return 1, length - 1
+
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        """Indices of prompts the text encoder will cut; families without a limit return none."""
+        return []
+
+
+class SamplingParts(ABC):
+    """How a family renders sample images: its pipeline, and what rendering needs besides the trained model."""
+
     #: `sample.guidance_scale` when the config leaves it unset
     default_guidance_scale: ClassVar[float] = 7.0
 
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+
+    @abstractmethod
+    def pipeline(self) -> Any:
+        """A diffusers pipeline over the current components (LoRA active)."""
+
+    def conditioning(self, prompt: str, negative: str) -> dict[str, Any] | None:
+        """Pipeline arguments that stand for the prompt (precomputed embeddings), so that the text encoder can
+        leave the accelerator before the sampling model arrives; None where the pipeline encodes prompts."""
+        return None
+
+    def only_modules(self) -> list[torch.nn.Module]:
+        """Modules used only to render samples: they stay on the CPU and visit the accelerator while sampling."""
+        return []
+
+    def mirrors(self) -> list[torch.nn.Module]:
+        """Other models that carry the trained LoRA (sharing its layers), e.g. a separate sampling model."""
+        return []
+
+
+class ModelAdapter(ABC):
+    """One model family. Built by `load`; the trainer calls only the members below and the parts' methods."""
+
+    arch: ClassVar[str]
+    #: what the family can do, known before any weight loads (its config class's facts)
+    facts: ClassVar[FamilyFacts]
+    #: how its LoRA files name the trained module
+    files: ClassVar[LoraFileFormat]
+    #: the classes of its optional parts
+    text_rules: ClassVar[type[TextRules]] = TextRules
+    sampling_parts: ClassVar[type[SamplingParts]]
+
+    noise_schedule: NoiseSchedule
+    #: image sides must be multiples of this (latent downscale x denoiser downscale)
+    divisor: int
+
     @classmethod
     @abstractmethod
-    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False) -> ModelAdapter:
-        """Load (or build, for tiny presets) and place every component; `debug_memory` logs memory per stage."""
+    def load(cls, model_cfg: ModelConfigBase, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False, sampling_models: bool = True) -> ModelAdapter:
+        """Load (or build, for tiny presets) and place every component; `debug_memory` logs memory per stage.
+        `sampling_models`: also load models used only for sample images (only the process that renders does)."""
+
+    # ---- text and images -------------------------------------------------------------------------
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds: ...
@@ -113,6 +161,8 @@ class ModelAdapter(ABC):
     def encoder_identity(self, part: str) -> str:
         """A string that changes whenever `part` ("image" or "text") would encode differently: cache keys."""
 
+    # ---- the denoiser ------------------------------------------------------------------------------
+
     @abstractmethod
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None) -> torch.Tensor:
@@ -128,59 +178,26 @@ class ModelAdapter(ABC):
         """Default linear targets (module names or name endings) of the adapter."""
 
     def conv_target_modules(self) -> list[str]:
-        """Conv layers adapted when `network.conv` is set (LoCon style); none by default."""
+        """Conv layers adapted when `network.conv` is set (LoCon style); only where `facts.conv_layers`."""
         return []
 
     @abstractmethod
     def use_for_training(self, module: torch.nn.Module) -> None:
         """Route `predict` through `module` (the trainable module as wrapped by accelerate)."""
 
-    @abstractmethod
-    def sampling_pipeline(self) -> Any:
-        """A diffusers pipeline over the current components (LoRA active) for sample images."""
-
-    def sampling_conditioning(self, prompt: str, negative: str) -> dict[str, Any] | None:
-        """Pipeline arguments that stand for the prompt (precomputed embeddings), so that the text encoder can
-        leave the accelerator before the sampling model arrives; None where the pipeline encodes prompts."""
-        return None
-
-    def sampling_unavailable(self) -> str | None:
-        """Why sample images cannot be rendered with this config (e.g. a missing decoder), or None."""
-        return None
-
-    def lora_mirrors(self) -> list[torch.nn.Module]:
-        """Other models that carry the trained LoRA (sharing its layers), e.g. a separate sampling model."""
-        return []
-
-    def sampling_only_modules(self) -> list[torch.nn.Module]:
-        """Modules used only to render samples: they stay on the CPU and visit the accelerator while sampling."""
-        return []
-
     @property
     @abstractmethod
     def device(self) -> torch.device: ...
 
-    def shift_schedule(self):
-        """The scheduler's dynamic-shift line (toolkit.train.timesteps.ShiftSchedule), for families whose
-        scheduler defines one; None otherwise."""
-        return
+    # ---- the optional parts ------------------------------------------------------------------------
 
-    def image_seq_len(self, latents: torch.Tensor) -> int:
-        """Tokens the denoiser sees per image (for dynamic shift): latent pixels by default."""
-        return latents.shape[-1] * latents.shape[-2]
+    @cached_property
+    def text(self) -> TextRules:
+        return self.text_rules(self)
 
-    def blank_prompt_embeds(self) -> PromptEmbeds:
-        """The empty prompt's conditioning (blank-prompt preservation, caption dropout)."""
-        return self.encode_prompts([""])
-
-    def caption_token_span(self, length: int) -> tuple[int, int]:
-        """[first, stop) positions of the caption's own tokens in a prompt of `length` tokens (cached-embedding
-        token shuffling moves only these): between the start and the end token by default."""
-        return 1, length - 1
-
-    def overlong_prompts(self, prompts: list[str]) -> list[int]:
-        """Indices of prompts the text encoder will cut; families without a limit return none."""
-        return []
+    @cached_property
+    def sampling(self) -> SamplingParts:
+        return self.sampling_parts(self)
 
     def describe(self) -> dict[str, str]:
         """Facts recorded in output metadata."""

@@ -6,8 +6,8 @@ import hashlib
 
 import torch
 
-from ..device import safe_module_to_device, to_device
-from .base import LatentDist
+from toolkit.device import safe_module_to_device, to_device
+from toolkit.models.base import LatentDist, TextRules
 
 
 def place_frozen(denoiser: torch.nn.Module, encoders: list[torch.nn.Module], device: torch.device, low_vram: bool,
@@ -60,3 +60,12 @@ def encoder_identity(arch: str, part: str, source: str, module: torch.nn.Module,
     dtype = next(module.parameters()).dtype
     facts = f"{source}|{dtype}|{config}|{weights_fingerprint(module, buffers)}|{extra}"
     return f"{arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+
+
+class ClipTextRules(TextRules):
+    """A CLIP tokenizer's limit (`model_max_length`, 77): longer captions are cut, and said so."""
+
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        tokenizer = self.adapter.tokenizer
+        lengths = [len(ids) for ids in tokenizer(prompts, truncation=False).input_ids]
+        return [i for i, length in enumerate(lengths) if length > tokenizer.model_max_length]

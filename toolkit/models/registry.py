@@ -1,53 +1,65 @@
-"""Model adapters by `model.arch`. Adapters are imported on first use so that config validation
-stays fast and one family's heavy imports never slow another."""
+"""Model families by `model.arch`: one line each. A family is a package under toolkit/models/ with its config
+class (torch-free: read when a job file is checked) and its adapter (imported only when a model loads)."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from .base import ModelAdapter
+if TYPE_CHECKING:
+    from toolkit.models.base import ModelAdapter
+    from toolkit.models.config import FamilyFacts, ModelConfigBase
 
-ADAPTERS: dict[str, str] = {
-    "sd15": "toolkit.models.sd:SD15Adapter",
-    "wuerstchen": "toolkit.models.wuerstchen:WuerstchenAdapter",
-    "zimage": "toolkit.models.zimage:ZImageAdapter",
-}
 
-#: `model` keys that only some families use, and which families use them
-FAMILY_MODEL_KEYS: dict[str, set[str]] = {
-    "single_file_config": {"sd15", "zimage"},
-    "image_encoder_path": {"wuerstchen"},
-    "decoder_name_or_path": {"wuerstchen"},
-    "quantize": {"zimage"},
-    "qtype": {"zimage"},
-    "quantize_te": {"zimage"},
-    "qtype_te": {"zimage"},
-    "sampling": {"zimage"},
-    "assistant_lora_path": {"zimage"},
-}
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    #: "module:Class" of the family's `model` config section
+    config: str
+    #: "module:Class" of its ModelAdapter
+    adapter: str
 
-#: `model` keys a family cannot do without
-REQUIRED_MODEL_KEYS: dict[str, set[str]] = {
-    "wuerstchen": {"image_encoder_path"},
-}
+
+FAMILIES: dict[str, Family] = {family.arch: family for family in (
+    Family("sd15", "toolkit.models.sd15.config:SD15ModelConfig", "toolkit.models.sd15.adapter:SD15Adapter"),
+    Family("wuerstchen", "toolkit.models.wuerstchen.config:WuerstchenModelConfig",
+           "toolkit.models.wuerstchen.adapter:WuerstchenAdapter"),
+    Family("zimage", "toolkit.models.zimage.config:ZImageModelConfig", "toolkit.models.zimage.adapter:ZImageAdapter"),
+)}
+
+
+def _load(reference: str) -> Any:
+    module, name = reference.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def available_archs() -> list[str]:
-    return sorted(ADAPTERS)
+    return sorted(FAMILIES)
 
 
-def family_key_problems(arch: str, keys_set: set[str], values: dict[str, Any]) -> list[str]:
-    """Config problems of `model` keys that belong to other families or that this family needs."""
-    problems = [f"model.{key} is not used by arch {arch} (only by {', '.join(sorted(FAMILY_MODEL_KEYS[key]))})"
-                for key in sorted(keys_set) if key in FAMILY_MODEL_KEYS and arch not in FAMILY_MODEL_KEYS[key]]
-    problems += [f"arch {arch} needs model.{key}" for key in sorted(REQUIRED_MODEL_KEYS.get(arch, ()))
-                 if values.get(key) is None]
-    return problems
+def family(arch: str) -> Family:
+    if arch not in FAMILIES:
+        raise ValueError(f"unknown model.arch '{arch}' (known: {', '.join(available_archs())})")
+    return FAMILIES[arch]
+
+
+def config_class(arch: str) -> type[ModelConfigBase]:
+    return _load(family(arch).config)
+
+
+def config_classes() -> list[type[ModelConfigBase]]:
+    return [config_class(arch) for arch in available_archs()]
+
+
+def family_facts(arch: str) -> FamilyFacts:
+    return config_class(arch).facts
+
+
+def model_config(**values: Any) -> ModelConfigBase:
+    """A `model` section for `values["arch"]` (tools and tests that build one without a job file)."""
+    return config_class(values.get("arch", "")).model_validate(values)
 
 
 def get_adapter_class(arch: str) -> type[ModelAdapter]:
-    if arch not in ADAPTERS:
-        raise ValueError(f"unknown model.arch '{arch}' (known: {', '.join(available_archs())})")
-    module_name, class_name = ADAPTERS[arch].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return _load(family(arch).adapter)

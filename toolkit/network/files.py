@@ -11,13 +11,30 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from safetensors import safe_open
 
-from .formats import FROM_COMFY, from_comfy, is_comfy_form, kohya_metadata, split_weight_key, to_comfy
-from .lora import compare_lora_state, load_lora_state, lora_state_dict, module_scales, write_safetensors
+if TYPE_CHECKING:
+    from toolkit.models.base import LoraFileFormat
+
+from toolkit.network.formats import (
+    FROM_COMFY,
+    from_comfy,
+    is_comfy_form,
+    kohya_metadata,
+    split_weight_key,
+    to_comfy,
+)
+from toolkit.network.lora import (
+    compare_lora_state,
+    load_lora_state,
+    lora_state_dict,
+    module_scales,
+    write_safetensors,
+)
 
 log = logging.getLogger("difftune")
 
@@ -140,11 +157,12 @@ def rescaled(state: dict[str, torch.Tensor], prefix: str, ratios: dict[str, floa
     return out
 
 
-def load_pretrained(module: torch.nn.Module, path: Path, prefix: str, comfy_prefix: str, separator: str) -> None:
+def load_pretrained(module: torch.nn.Module, path: Path, files: LoraFileFormat) -> None:
     """Start the adapter from a file: its weights, rescaled so that the effective deltas are the file's under
     this config's alphas (e.g. a kohya file with alpha 8 at rank 16 into a config with linear_alpha 16)."""
     ours = module_scales(module)
-    weights, scales = read_adapter_file(path, prefix, comfy_prefix, separator, sorted(ours))
+    prefix = files.prefix
+    weights, scales = read_adapter_file(path, prefix, files.comfy_prefix, files.comfy_separator, sorted(ours))
     problems = compare_lora_state(lora_state_dict(module, prefix, torch.float32), weights)
     if problems:
         raise ValueError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets): "
@@ -157,9 +175,11 @@ def load_pretrained(module: torch.nn.Module, path: Path, prefix: str, comfy_pref
              if changed else "")
 
 
-def write_comfy_file(path: Path, module: torch.nn.Module, prefix: str, comfy_prefix: str, separator: str,
-                     dtype: torch.dtype, metadata: dict[str, str], network_type: str, base_model: str) -> None:
+def write_comfy_file(path: Path, module: torch.nn.Module, files: LoraFileFormat, dtype: torch.dtype,
+                     metadata: dict[str, str], network_type: str) -> None:
     """The ComfyUI/kohya form of the trained adapter, with alphas and kohya's header keys."""
+    prefix, comfy_prefix, separator, base_model = (files.prefix, files.comfy_prefix, files.comfy_separator,
+                                                   files.kohya_base_model)
     weights, alphas = comfy_ready(lora_state_dict(module, prefix, torch.float32), prefix, module_scales(module))
     # weights in the save dtype; alphas stay float32 (0.1 in bf16 would read back as 0.10009766)
     state = {k: v if k.endswith(".alpha") else v.to(dtype)
@@ -169,10 +189,10 @@ def write_comfy_file(path: Path, module: torch.nn.Module, prefix: str, comfy_pre
     write_safetensors(path, state, {**metadata, **kohya_metadata(config.r, alpha, base_model, network_type)})
 
 
-def convert_file(source: Path, target: Path, to: str, prefix: str, comfy_prefix: str, separator: str,
-                 model_modules: list[str] | None) -> int:
+def convert_file(source: Path, target: Path, to: str, files: LoraFileFormat, model_modules: list[str] | None) -> int:
     """Rewrite an adapter file in the other form; deltas unchanged. To diffusers, the scales are folded into
     the weights (alpha = rank, what every diffusers loader assumes without a header). Returns the modules."""
+    prefix, comfy_prefix, separator = files.prefix, files.comfy_prefix, files.comfy_separator
     weights, scales = read_adapter_file(source, prefix, comfy_prefix, separator, model_modules)
     metadata = read_header(source)
     if to == "comfy":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,12 +11,20 @@ from pathlib import Path
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
-from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import (
+    LoHaConfig,
+    LoKrConfig,
+    LoraConfig,
+    PeftConfig,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
-from ..config.schema import NetworkConfig
-from ..device import to_device
+from toolkit.config.sections import NetworkConfig
+from toolkit.device import to_device
+from toolkit.files import write_atomic
 
 #: peft adapter name of the trained adapter, and of a merged assistant LoRA while it is being merged
 ADAPTER = "default"
@@ -128,10 +135,7 @@ def adapter_metadata(module: torch.nn.Module, prefix: str) -> str:
 
 def write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write atomically (temporary name, then rename): a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", **metadata})
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt", **metadata}))
 
 
 def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str], module, prefix: str) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
 
-from ..config.schema import TrainConfig
-from .plan import TrainingPlan
+from toolkit.config.sections import LRScheduleSection
+from toolkit.train.plan import TrainingPlan
 
 
-def build_lr_scheduler(train: TrainConfig, optimizer: torch.optim.Optimizer, plan: TrainingPlan):
+def build_lr_scheduler(train: LRScheduleSection, optimizer: torch.optim.Optimizer, plan: TrainingPlan):
     params = train.lr_scheduler_params
     name = train.lr_scheduler
     if name == "constant" and plan.warmup_updates:  # diffusers' `constant` ignores warmup

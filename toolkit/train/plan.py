@@ -114,3 +114,24 @@ def accumulation_window(micro_batch: int, micro_batches_per_epoch: int, gradient
     """
     start = micro_batch // gradient_accumulation * gradient_accumulation
     return min(gradient_accumulation, micro_batches_per_epoch - start)
+
+
+@dataclass
+class Position:
+    """Where training is: updates done, and the data position of the next micro-batch."""
+
+    global_step: int = 0
+    epoch: int = 0
+    micro_batch_in_epoch: int = 0
+
+
+def resumed_position(saved: Position, saved_world_size: int, world_size: int, micro_batches_per_epoch: int,
+                     gradient_accumulation: int) -> Position:
+    """Where a resumed run continues. On another process count the micro-batches consumed in the epoch are
+    re-counted for the new count (whole accumulation windows), so the LR continues at the saved update."""
+    epoch, consumed = saved.epoch, saved.micro_batch_in_epoch
+    if saved_world_size != world_size:
+        consumed = consumed * saved_world_size // world_size // gradient_accumulation * gradient_accumulation
+    if consumed >= micro_batches_per_epoch:
+        epoch, consumed = epoch + 1, 0
+    return Position(saved.global_step, epoch, consumed)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 import torch
 
-from ...config.schema import TrainConfig
+from toolkit.config.sections import OptimizerSection
+from toolkit.train.optimizer_params import uses_relative_step  # noqa: F401 (re-exported)
 
 
 def _bitsandbytes(name: str):
@@ -25,7 +25,7 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     if name in ("adamw8bit", "lion8bit"):
         return _bitsandbytes(name)
     if name == "adafactor":
-        from .adafactor import BoundedAdafactor
+        from toolkit.train.optimizers.adafactor import BoundedAdafactor
 
         return BoundedAdafactor
     raise ValueError(f"unknown optimizer '{name}'")
@@ -42,14 +42,9 @@ def accepted_params(name: str) -> set[str]:
     return names - {"params", "lr", "kwargs", "self"}
 
 
-def uses_relative_step(name: str, params: dict[str, Any]) -> bool:
-    """Adafactor picks its own LR unless `relative_step: false` (transformers' default is true)."""
-    return name == "adafactor" and params.get("relative_step", True)
-
-
-def build_optimizer(train: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(section: OptimizerSection, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer over the trained parameters; `optimizer_params` were checked with the config."""
-    return optimizer_class(train.optimizer)(params, lr=train.lr, **train.optimizer_params)
+    return optimizer_class(section.optimizer)(params, lr=section.lr, **section.optimizer_params)
 
 
 def logged_lr(optimizer: torch.optim.Optimizer, scheduled_lr: float) -> float:

@@ -14,17 +14,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from toolkit.files import write_json_atomic
+
 CONTROL_DIR = "control"
 STATUS_FILE = "status.json"
 ACTIONS = ("stop", "save", "sample")
 STATES = ("running", "stopped", "finished", "failed")
-
-
-def write_json_atomic(path: Path, data: dict, sort_keys: bool = True) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=sort_keys) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def request(run_dir: Path, action: str) -> Path:

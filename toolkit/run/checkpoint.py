@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import random
 import re
 import shutil
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from toolkit.errors import UserError
+from toolkit.train.plan import Position, resumed_position
+
+log = logging.getLogger("difftune")
 
 STEP_DIR = re.compile(r"^step_(\d{9})$")
 TMP_PREFIX = ".tmp_"
@@ -29,7 +38,7 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be resumed from; the message names the folder and the mismatch."""
 
 
@@ -194,30 +203,137 @@ def load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, sav
     return sorted(set(changes))
 
 
-class Checkpointer:
-    """Writes checkpoints collectively: every rank writes its RNG file, the main process the rest."""
+@dataclass
+class TrainedParts:
+    """What a checkpoint saves and a resume loads besides the position: the adapter (on the trainable module,
+    saved under `prefix`), the optimizer, the LR scheduler and the fp16 grad scaler."""
 
-    def __init__(self, accelerator, checkpoints_dir: Path, keep: int):
+    module: torch.nn.Module
+    prefix: str
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    scaler: Any = None
+
+
+class Checkpoints:
+    """Saving and resuming, in one part. `save` is collective: every rank writes its RNG file, the main process the
+    rest, then the folder is committed and old ones pruned. `resume` validates a checkpoint against the built parts
+    before it changes anything, then loads the adapter, optimizer, scaler and RNG and replays the LR schedule."""
+
+    def __init__(self, accelerator, folder: Path, keep: int, parts: TrainedParts, config: dict,
+                 lora_metadata: Callable[[int], dict[str, str]], debug_memory: bool = False):
         self.accelerator = accelerator
-        self.dir = checkpoints_dir
+        self.dir = folder
         self.keep = keep
+        self.parts = parts
+        self.config = config
+        self.lora_metadata = lora_metadata
+        self.debug_memory = debug_memory
+        #: the step of the newest checkpoint this run wrote or resumed from (-1: none)
+        self.last_saved_step = -1
 
-    def save(self, state: TrainState, write_payload) -> Path:
-        """`write_payload(folder)` runs on the main process; call on every rank."""
+    # ---- save --------------------------------------------------------------------------------------
+
+    def save(self, position: Position) -> Path:
+        """Call on every rank."""
         acc = self.accelerator
+        state = self.train_state(position)
         tmp = tmp_dir(self.dir, state.global_step)
         if acc.is_main_process:
             begin(self.dir, state.global_step)
         acc.wait_for_everyone()
         torch.save(capture_rng(), rng_file(tmp, acc.process_index))
         if acc.is_main_process:
-            write_payload(tmp)
+            self.write_payload(tmp, state.global_step)
         acc.wait_for_everyone()
         if acc.is_main_process:
             commit(tmp, state)
             prune(self.dir, self.keep)
         acc.wait_for_everyone()
+        self.last_saved_step = position.global_step
         return self.dir / step_dir_name(state.global_step)
+
+    def train_state(self, position: Position) -> TrainState:
+        """Where training is; called on every rank (it gathers each rank's step and LR)."""
+        from accelerate.utils import gather_object
+
+        lr = self.parts.lr_scheduler.get_last_lr()[0]
+        rank = self.accelerator.process_index
+        return TrainState(
+            global_step=position.global_step, epoch=position.epoch, micro_batch_in_epoch=position.micro_batch_in_epoch,
+            world_size=self.accelerator.num_processes, lr=lr, config_fingerprint=fingerprint(self.config),
+            config=self.config, versions=library_versions(),
+            ranks=gather_object([{"rank": rank, "global_step": position.global_step, "lr": lr}]),
+        )
+
+    def write_payload(self, folder: Path, step: int) -> None:
+        """Everything but the RNG files; a float32 LoRA so that a resume continues exactly."""
+        from toolkit.network.lora import lora_state_dict, write_lora_file
+
+        parts = self.parts
+        write_lora_file(folder / LORA_FILE, lora_state_dict(parts.module, parts.prefix, torch.float32),
+                        self.lora_metadata(step), parts.module, parts.prefix)
+        torch.save(parts.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        torch.save(parts.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+        if parts.scaler is not None:
+            torch.save(parts.scaler.state_dict(), folder / SCALER_FILE)
+
+    # ---- resume ------------------------------------------------------------------------------------
+
+    def resume(self, folder: Path, micro_batches_per_epoch: int, gradient_accumulation: int) -> Position:
+        """Load `folder` into the parts; returns where training continues."""
+        state = TrainState.read(folder)
+        self.load_trained_state(folder)
+        world = self.accelerator.num_processes
+        if state.world_size != world:
+            log.warning("the checkpoint was written by %d processes, this run has %d: the LR continues at step %d, "
+                        "but the data order from here differs from an uninterrupted run", state.world_size, world,
+                        state.global_step)
+        saved = Position(state.global_step, state.epoch, state.micro_batch_in_epoch)
+        position = resumed_position(saved, state.world_size, world, micro_batches_per_epoch, gradient_accumulation)
+        self.fast_forward_lr_scheduler(state)
+        same_world = state.world_size == world
+        if not self.restore_rng(folder, same_world) and same_world:
+            log.warning("%s: no RNG state for rank %d; library randomness will differ", folder,
+                        self.accelerator.process_index)
+        self.last_saved_step = state.global_step
+        for change in config_changes(state.config, self.config):
+            log.info("changed since the checkpoint: %s", change)
+        log.info("resuming from %s at step %d (epoch %d, micro-batch %d)", folder, state.global_step, position.epoch,
+                 position.micro_batch_in_epoch)
+        return position
+
+    def load_trained_state(self, folder: Path) -> None:
+        from toolkit.device import memory_debug
+        from toolkit.network.lora import compare_lora_state, load_lora_file, lora_state_dict
+
+        parts = self.parts
+        lora_file = folder / LORA_FILE
+        problems = compare_lora_state(lora_state_dict(parts.module, parts.prefix, torch.float32),
+                                      load_safetensors(lora_file))
+        saved_optimizer = load_torch(folder / OPTIMIZER_FILE)
+        problems += [f"{OPTIMIZER_FILE}: {problem}" for problem in optimizer_problems(saved_optimizer, parts.optimizer)]
+        if problems:
+            raise CheckpointError(f"checkpoint {folder} does not match the current config: " + "; ".join(problems))
+        with memory_debug("LoRA load", self.debug_memory):
+            load_lora_file(parts.module, lora_file, parts.prefix)
+        for change in load_optimizer_keeping_hyperparameters(parts.optimizer, saved_optimizer):
+            log.info("optimizer setting changed since the checkpoint: %s", change)
+        if parts.scaler is not None and (folder / SCALER_FILE).is_file():
+            parts.scaler.load_state_dict(load_torch(folder / SCALER_FILE))
+
+    def fast_forward_lr_scheduler(self, state: TrainState) -> None:
+        """The LR is a function of the update index: replay the current schedule to the resumed step, so a
+        changed `lr`, `steps` or schedule applies from here on."""
+        scheduler = self.parts.lr_scheduler
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+            for _ in range(state.global_step):
+                scheduler.step()
+        now = scheduler.get_last_lr()[0]
+        if not math.isclose(now, state.lr, rel_tol=1e-9, abs_tol=1e-15):
+            log.info("LR at step %d: %.3g in the checkpoint, %.3g with the current schedule", state.global_step,
+                     state.lr, now)
 
     def restore_rng(self, folder: Path, same_world: bool) -> bool:
         path = rng_file(folder, self.accelerator.process_index)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .tiny import byte_level_clip_tokenizer, ensure_tiny
+from toolkit.models.tiny import byte_level_clip_tokenizer, ensure_tiny
 
 TINY_WUERSTCHEN = {
     "prior": {"c_in": 16, "c": 32, "c_cond": 32, "c_r": 8, "depth": 2, "nhead": 2, "dropout": 0.0},
@@ -65,7 +65,7 @@ def _build_tiny_wuerstchen(folder: Path, preset: dict) -> None:
     )
     from safetensors.torch import save_file
 
-    from .wuerstchen import EfficientNetImageEncoder
+    from toolkit.models.wuerstchen.image_encoder import EfficientNetImageEncoder
 
     tokenizer = byte_level_clip_tokenizer(preset["text_encoder"]["max_position_embeddings"])
     with torch.random.fork_rng(devices=[]):

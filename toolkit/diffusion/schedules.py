@@ -5,13 +5,44 @@ its family's own timestep."""
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 
 import torch
 from diffusers import DDPMScheduler, DDPMWuerstchenScheduler
 
-from ..device import to_device
-from ..train.losses import snr_from_alphas_cumprod, snr_from_flow_sigmas
-from .base import NoiseSchedule
+from toolkit.device import to_device
+from toolkit.diffusion.snr import snr_from_alphas_cumprod, snr_from_flow_sigmas
+from toolkit.diffusion.timesteps import ShiftSchedule
+
+
+class NoiseSchedule(ABC):
+    """How the family turns clean latents into a training example.
+
+    Timestep samplers draw `u` in (0, 1) per sample; the schedule maps it to the family's own timestep.
+    """
+
+    @abstractmethod
+    def timesteps(self, u: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    #: "epsilon", "v_prediction" or "flow_matching": picks the min-SNR weight formula
+    prediction_type: str
+
+    @abstractmethod
+    def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Signal-to-noise ratio of each sample's timestep (on the CPU)."""
+
+    #: the scheduler's dynamic-shift line (resolution-dependent shift), where the family's scheduler uses one
+    shift_schedule: ShiftSchedule | None = None
+
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        """Tokens the denoiser sees per image (for dynamic shift): latent pixels by default."""
+        return latents.shape[-1] * latents.shape[-2]
 
 
 class DDPMNoiseSchedule(NoiseSchedule):
@@ -45,8 +76,15 @@ class FlowMatchNoiseSchedule(NoiseSchedule):
 
     prediction_type = "flow_matching"
 
-    def __init__(self, num_train_timesteps: int = 1000):
+    def __init__(self, num_train_timesteps: int = 1000, shift_schedule: ShiftSchedule | None = None,
+                 patch_size: int = 1):
         self.num_train_timesteps = num_train_timesteps
+        self.shift_schedule = shift_schedule
+        #: the denoiser's spatial patch: image tokens are latent pixels / patch area
+        self.patch_size = patch_size
+
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        return (latents.shape[-2] // self.patch_size) * (latents.shape[-1] // self.patch_size)
 
     def timesteps(self, u: torch.Tensor) -> torch.Tensor:
         return u.float() * self.num_train_timesteps

@@ -15,20 +15,36 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from ..config.schema import ModelConfig
-from ..device import memory_debug, to_device
-from ..paths import normalize_path
-from .base import LatentDist, ModelAdapter, PromptEmbeds
-from .common import encoder_identity, place_frozen, vae_latent_dist, vae_latents
-from .noise_schedules import DDPMNoiseSchedule
-from .tiny import ensure_tiny_sd15
+from toolkit.device import memory_debug, to_device
+from toolkit.diffusion.schedules import DDPMNoiseSchedule
+from toolkit.models.base import LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
+from toolkit.models.common import ClipTextRules, encoder_identity, place_frozen, vae_latent_dist, vae_latents
+from toolkit.models.sd15.config import FACTS, SD15ModelConfig
+from toolkit.models.sd15.tiny import ensure_tiny_sd15
+from toolkit.paths import normalize_path
+
+
+class SD15Sampling(SamplingParts):
+    def pipeline(self) -> StableDiffusionPipeline:
+        a = self.adapter
+        return StableDiffusionPipeline(
+            vae=a.vae,
+            text_encoder=a.text_encoder,
+            tokenizer=a.tokenizer,
+            unet=a.unet,
+            scheduler=EulerDiscreteScheduler.from_config(a.scheduler.config),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
 
 
 class SD15Adapter(ModelAdapter):
     arch = "sd15"
-    lora_prefix = "unet"
-    comfy_prefix = "lora_unet"
-    kohya_base_model = "sd_v1"
+    facts = FACTS
+    files = LoraFileFormat(prefix="unet", comfy_prefix="lora_unet", kohya_base_model="sd_v1")
+    text_rules = ClipTextRules
+    sampling_parts = SD15Sampling
 
     def __init__(self, unet, vae, text_encoder, tokenizer, scheduler, source: str):
         self.unet = unet
@@ -46,8 +62,8 @@ class SD15Adapter(ModelAdapter):
         self.compute_dtype = unet.dtype
 
     @classmethod
-    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False) -> SD15Adapter:
+    def load(cls, model_cfg: SD15ModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False, sampling_models: bool = True) -> SD15Adapter:
         source = normalize_path(model_cfg.name_or_path)
         if source == "tiny":
             source = str(ensure_tiny_sd15())
@@ -61,7 +77,7 @@ class SD15Adapter(ModelAdapter):
         return adapter
 
     @staticmethod
-    def _load_folder(source: str, model_cfg: ModelConfig, dtype: torch.dtype) -> tuple:
+    def _load_folder(source: str, model_cfg: SD15ModelConfig, dtype: torch.dtype) -> tuple:
         kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
         unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", torch_dtype=dtype, **kw)
         vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
@@ -98,11 +114,6 @@ class SD15Adapter(ModelAdapter):
         embeds = self.text_encoder(to_device(tokens.input_ids, self.text_encoder.device))[0]
         return PromptEmbeds(embeds, lengths=tokens.attention_mask.sum(dim=1))
 
-    def overlong_prompts(self, prompts: list[str]) -> list[int]:
-        limit = self.tokenizer.model_max_length
-        lengths = [len(ids) for ids in self.tokenizer(prompts, truncation=False).input_ids]
-        return [i for i, length in enumerate(lengths) if length > limit]
-
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
         return vae_latent_dist(self.vae, pixels)
 
@@ -136,18 +147,6 @@ class SD15Adapter(ModelAdapter):
 
     def use_for_training(self, module: torch.nn.Module) -> None:
         self._denoiser = module
-
-    def sampling_pipeline(self) -> StableDiffusionPipeline:
-        return StableDiffusionPipeline(
-            vae=self.vae,
-            text_encoder=self.text_encoder,
-            tokenizer=self.tokenizer,
-            unet=self.unet,
-            scheduler=EulerDiscreteScheduler.from_config(self.scheduler.config),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
 
     def describe(self) -> dict[str, str]:
         return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}

@@ -6,10 +6,6 @@ sample images go through the prior and then the stage-B decoder pipeline.
 
 from __future__ import annotations
 
-import copy
-import pickle
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,121 +16,24 @@ from diffusers.pipelines.deprecated.wuerstchen import (
     WuerstchenDiffNeXt,
     WuerstchenPrior,
 )
-from safetensors.torch import load_file
 from torch import nn
-from torchvision.models import efficientnet
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from ..config.schema import ModelConfig
-from ..device import memory_debug, to_device
-from ..paths import normalize_path
-from .base import LatentDist, ModelAdapter, PromptEmbeds
-from .common import encoder_identity, place_frozen
-from .noise_schedules import WuerstchenNoiseSchedule
+from toolkit.device import memory_debug, to_device
+from toolkit.diffusion.schedules import WuerstchenNoiseSchedule
+from toolkit.models.base import LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
+from toolkit.models.common import ClipTextRules, encoder_identity, place_frozen
+from toolkit.models.wuerstchen.config import FACTS, WuerstchenModelConfig
+from toolkit.models.wuerstchen.image_encoder import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    EfficientNetImageEncoder,
+    read_image_encoder_state,
+)
+from toolkit.paths import normalize_path
 
-#: ImageNet normalisation the encoder was trained with
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 #: decoder denoising steps for sample images (diffusers' default for Wuerstchen's decoder)
 DECODER_STEPS = 12
-#: EfficientNetV2-S's stages in its `features` Sequential (0 is the stem, 7 the last 1x1 conv)
-EFFNET_STAGES = range(1, 7)
-
-
-def _multiple_of_8(value: float) -> int:
-    # torchvision rounds expanded widths to multiples of 8; widths that already are keep the real block layout
-    return max(8, round(value / 8) * 8)
-
-
-class EfficientNetImageEncoder(nn.Module):
-    """Wuerstchen's image encoder: EfficientNetV2-S features, a 1x1 conv to `c_latent` channels and a
-    BatchNorm2d. torchvision builds the backbone; the key layout (`backbone.*`, `mapper.*`) is that of the
-    `effnet_state_dict` in Wuerstchen's stage-B checkpoint. `width` < 1 narrows every stage (tiny models) while
-    keeping the stages, layers and keys."""
-
-    def __init__(self, width: float = 1.0, c_latent: int = 16, stage_channels: list[int] | None = None,
-                 last_channel: int | None = None):
-        super().__init__()
-        settings, real_last = efficientnet._efficientnet_conf("efficientnet_v2_s")
-        channels = stage_channels or [_multiple_of_8(c * width) for c in
-                                      [settings[0].input_channels] + [st.out_channels for st in settings]]
-        last_channel = last_channel or _multiple_of_8(real_last * width)
-        stages = []
-        for index, stage in enumerate(settings):
-            stage = copy.copy(stage)
-            stage.input_channels, stage.out_channels = channels[index], channels[index + 1]
-            stages.append(stage)
-        net = efficientnet.EfficientNet(stages, dropout=0.0, last_channel=last_channel,
-                                        norm_layer=partial(nn.BatchNorm2d, eps=1e-3))
-        self.backbone = net.features
-        self.mapper = nn.Sequential(nn.Conv2d(last_channel, c_latent, kernel_size=1, bias=False),
-                                    nn.BatchNorm2d(c_latent))
-        self.stage_channels = channels
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.mapper(self.backbone(pixels))
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, torch.Tensor], source: str) -> EfficientNetImageEncoder:
-        """An encoder shaped like `state` (stage widths read from its tensors), loaded strictly except for
-        BatchNorm's `num_batches_tracked` counters, which conversions often drop and eval mode never reads."""
-        if any(key.startswith("backbone.8.") for key in state):
-            raise ValueError(f"{source}: an EfficientNetV2-L encoder (it has a backbone.8 stage); the Wuerstchen v2 "
-                             "prior needs the V2-S `effnet_state_dict` of model_v2_stage_b.pt")
-        try:
-            channels = [state["backbone.0.0.weight"].shape[0]] + [_stage_out_channels(state, i) for i in EFFNET_STAGES]
-            last_channel, c_latent = state["backbone.7.0.weight"].shape[0], state["mapper.0.weight"].shape[0]
-        except KeyError as missing:
-            sample = ", ".join(sorted(state)[:3]) or "no tensors"
-            raise ValueError(f"{source}: not a Wuerstchen EfficientNet image encoder (no {missing}; found "
-                             f"{sample}, ...)") from None
-        encoder = cls(c_latent=c_latent, stage_channels=channels, last_channel=last_channel)
-        expected = {k: v for k, v in encoder.state_dict().items()
-                    if not (k.endswith("num_batches_tracked") and k not in state)}
-        problems = _state_problems(expected, state)
-        if problems:
-            raise ValueError(f"{source}: weights do not fit the EfficientNetV2-S image encoder: {problems}")
-        encoder.load_state_dict(state, strict=False)
-        return encoder
-
-
-def _stage_out_channels(state: dict[str, torch.Tensor], stage: int) -> int:
-    """A stage's output width: the size of the BatchNorm that ends its first block."""
-    prefix = f"backbone.{stage}.0.block."
-    blocks = [int(key[len(prefix):].split(".")[0]) for key in state if key.startswith(prefix)]
-    if not blocks:
-        raise KeyError(f"{prefix}*")
-    return state[f"{prefix}{max(blocks)}.1.weight"].shape[0]
-
-
-def _state_problems(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str:
-    """Missing, unexpected and mis-shaped keys, a few of each, in one line."""
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    shapes = sorted(k for k in set(expected) & set(given) if expected[k].shape != given[k].shape)
-    parts = [f"{label} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} ({len(keys)})"
-             for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)) if keys]
-    return "; ".join(parts)
-
-
-def read_image_encoder_state(path: str) -> dict[str, torch.Tensor]:
-    """The encoder's state dict from a .safetensors file, or from a stage-B checkpoint's `effnet_state_dict`."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"model.image_encoder_path: file not found: {path}")
-    if path.endswith(".safetensors"):
-        return load_file(path)
-    try:
-        # mmap: a stage-B checkpoint also holds the decoder and its optimizer; only the encoder is read
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, RuntimeError) as error:
-        raise ValueError(f"model.image_encoder_path {path}: cannot read it as a plain-tensor checkpoint ({error}); "
-                         "extract its `effnet_state_dict` to a .safetensors file") from None
-    if isinstance(checkpoint, dict) and "effnet_state_dict" in checkpoint:
-        return checkpoint["effnet_state_dict"]
-    if isinstance(checkpoint, dict) and "backbone.0.0.weight" in checkpoint:
-        return checkpoint
-    found = ", ".join(sorted(checkpoint)[:5]) if isinstance(checkpoint, dict) else type(checkpoint).__name__
-    raise ValueError(f"model.image_encoder_path {path}: no `effnet_state_dict` in this checkpoint (found {found})")
 
 
 class WuerstchenSampler:
@@ -155,14 +54,38 @@ class WuerstchenSampler:
         )
 
 
+class WuerstchenSampling(SamplingParts):
+    """The prior (LoRA active), then the stage-B decoder, which visits the accelerator only while sampling."""
+
+    default_guidance_scale = 4.0  # WuerstchenPriorPipeline's default
+
+    def pipeline(self) -> WuerstchenSampler:
+        a = self.adapter
+        if a.decoder is None:  # the config check (FamilyFacts.sampling_needs) refuses prompts without one
+            raise ValueError("sample images of a Wuerstchen prior need model.decoder_name_or_path")
+        d = a.decoder
+        pipe = WuerstchenCombinedPipeline(
+            tokenizer=d["tokenizer"], text_encoder=d["text_encoder"], decoder=d["decoder"],
+            scheduler=d["scheduler"], vqgan=d["vqgan"], prior_tokenizer=a.tokenizer,
+            prior_text_encoder=a.text_encoder, prior_prior=a.prior,
+            prior_scheduler=DDPMWuerstchenScheduler.from_config(a.scheduler.config),
+        )
+        return WuerstchenSampler(pipe)
+
+    def only_modules(self) -> list[nn.Module]:
+        d = self.adapter.decoder
+        return [] if d is None else [d["decoder"], d["vqgan"], d["text_encoder"]]
+
+
 class WuerstchenAdapter(ModelAdapter):
     arch = "wuerstchen"
-    lora_prefix = "prior"  # WuerstchenPriorPipeline.load_lora_weights loads `prior.*` keys into the prior
-    # No ComfyUI loader exists for Wuerstchen v2; kohya-style keys under OneTrainer's prefix for the prior.
-    comfy_prefix = "lora_prior_unet"
-    kohya_base_model = "wuerstchen_v2"
-    default_guidance_scale = 4.0  # WuerstchenPriorPipeline's default
-    default_save_formats = ("diffusers",)  # ComfyUI has no Wuerstchen v2 loader; `comfy` still writes kohya keys
+    facts = FACTS
+    # WuerstchenPriorPipeline.load_lora_weights loads `prior.*` keys into the prior. No ComfyUI loader exists for
+    # Wuerstchen v2: the `comfy` form (asked for explicitly) writes kohya-style keys under OneTrainer's prefix.
+    files = LoraFileFormat(prefix="prior", comfy_prefix="lora_prior_unet", kohya_base_model="wuerstchen_v2",
+                           default_formats=("diffusers",))
+    text_rules = ClipTextRules
+    sampling_parts = WuerstchenSampling
     #: EfficientNetV2-S reduces the image 32x; the prior is fully convolutional at that size
     divisor = 32
 
@@ -183,9 +106,11 @@ class WuerstchenAdapter(ModelAdapter):
     # ---- loading -------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False) -> WuerstchenAdapter:
+    def load(cls, model_cfg: WuerstchenModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False, sampling_models: bool = True) -> WuerstchenAdapter:
         sources = cls._resolve_sources(model_cfg)
+        if not sampling_models:
+            sources.pop("decoder", None)
         with memory_debug("model load", debug_memory):
             prior_parts = cls._load_prior_parts(sources["prior"], model_cfg, dtype)
             state = read_image_encoder_state(sources["image_encoder"])
@@ -194,17 +119,17 @@ class WuerstchenAdapter(ModelAdapter):
         adapter = cls(*prior_parts, image_encoder=image_encoder, decoder=decoder, sources=sources)
         # the decoder (sample-only) stays on the CPU until samples render
         place_frozen(adapter.prior, [adapter.text_encoder, adapter.image_encoder], device, model_cfg.low_vram,
-                     adapter.sampling_only_modules())
+                     adapter.sampling.only_modules())
         return adapter
 
     @staticmethod
-    def _resolve_sources(model_cfg: ModelConfig) -> dict[str, str]:
+    def _resolve_sources(model_cfg: WuerstchenModelConfig) -> dict[str, str]:
         sources = {"prior": normalize_path(model_cfg.name_or_path),
                    "image_encoder": normalize_path(model_cfg.image_encoder_path or "", "model.image_encoder_path")}
         if model_cfg.decoder_name_or_path:
             sources["decoder"] = normalize_path(model_cfg.decoder_name_or_path, "model.decoder_name_or_path")
         if "tiny" in sources.values():
-            from .tiny_wuerstchen import ensure_tiny_wuerstchen
+            from toolkit.models.wuerstchen.tiny import ensure_tiny_wuerstchen
 
             tiny = ensure_tiny_wuerstchen()
             tiny_parts = {"prior": tiny / "prior", "image_encoder": tiny / "image_encoder.safetensors",
@@ -213,7 +138,7 @@ class WuerstchenAdapter(ModelAdapter):
         return sources
 
     @staticmethod
-    def _load_prior_parts(source: str, model_cfg: ModelConfig, dtype: torch.dtype) -> tuple:
+    def _load_prior_parts(source: str, model_cfg: WuerstchenModelConfig, dtype: torch.dtype) -> tuple:
         kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
         prior = WuerstchenPrior.from_pretrained(source, subfolder="prior", torch_dtype=dtype, **kw)
         text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
@@ -249,11 +174,6 @@ class WuerstchenAdapter(ModelAdapter):
         output = self.text_encoder(to_device(tokens.input_ids, device), attention_mask=to_device(tokens.attention_mask, device))
         return PromptEmbeds(output.last_hidden_state, lengths=tokens.attention_mask.sum(dim=1))
 
-    def overlong_prompts(self, prompts: list[str]) -> list[int]:
-        limit = self.tokenizer.model_max_length
-        lengths = [len(ids) for ids in self.tokenizer(prompts, truncation=False).input_ids]
-        return [i for i, length in enumerate(lengths) if length > limit]
-
     @torch.no_grad()
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
         encoder = self.image_encoder
@@ -272,11 +192,6 @@ class WuerstchenAdapter(ModelAdapter):
 
     def text_encoder_modules(self) -> list[nn.Module]:
         return [self.text_encoder]
-
-    def sampling_only_modules(self) -> list[nn.Module]:
-        if self.decoder is None:
-            return []
-        return [self.decoder["decoder"], self.decoder["vqgan"], self.decoder["text_encoder"]]
 
     def encoder_identity(self, part: str) -> str:
         if part == "text":
@@ -305,23 +220,6 @@ class WuerstchenAdapter(ModelAdapter):
         self._denoiser = module
 
     # ---- outputs -------------------------------------------------------------------------------
-
-    def sampling_unavailable(self) -> str | None:
-        if self.decoder is None:
-            return "sample images of a Wuerstchen prior need model.decoder_name_or_path (e.g. warp-ai/wuerstchen)"
-        return None
-
-    def sampling_pipeline(self) -> WuerstchenSampler:
-        if self.decoder is None:
-            raise ValueError(self.sampling_unavailable())
-        d = self.decoder
-        pipe = WuerstchenCombinedPipeline(
-            tokenizer=d["tokenizer"], text_encoder=d["text_encoder"], decoder=d["decoder"],
-            scheduler=d["scheduler"], vqgan=d["vqgan"], prior_tokenizer=self.tokenizer,
-            prior_text_encoder=self.text_encoder, prior_prior=self.prior,
-            prior_scheduler=DDPMWuerstchenScheduler.from_config(self.scheduler.config),
-        )
-        return WuerstchenSampler(pipe)
 
     def describe(self) -> dict[str, str]:
         return {"arch": self.arch, "base_model": self.sources["prior"],

@@ -19,16 +19,23 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoTokenizer, Qwen3Model
 
-from ..config.schema import ModelConfig
-from ..device import memory_debug, safe_module_to_device, to_device
-from ..network.lora import merge_lora_state
-from ..paths import normalize_path
-from ..quantize import quantize_blockwise
-from ..train.timesteps import ShiftSchedule
-from .base import LatentDist, ModelAdapter, PromptEmbeds
-from .common import encoder_identity, vae_latent_dist, vae_latents
-from .noise_schedules import FlowMatchNoiseSchedule
-from .tiny_zimage import ensure_tiny_zimage, ensure_tiny_zimage_turbo
+from toolkit.device import memory_debug, safe_module_to_device, to_device
+from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
+from toolkit.diffusion.timesteps import ShiftSchedule
+from toolkit.models.base import (
+    LatentDist,
+    LoraFileFormat,
+    ModelAdapter,
+    PromptEmbeds,
+    SamplingParts,
+    TextRules,
+)
+from toolkit.models.common import encoder_identity, vae_latent_dist, vae_latents
+from toolkit.models.zimage.config import FACTS, ZImageModelConfig
+from toolkit.models.zimage.tiny import ensure_tiny_zimage, ensure_tiny_zimage_turbo
+from toolkit.network.lora import merge_lora_state
+from toolkit.paths import normalize_path
+from toolkit.quantize import quantize_blockwise
 
 #: where a single-file transformer's other parts (text encoder, tokenizer, VAE, scheduler) and its config come
 #: from when `model.single_file_config` is not given: the repo diffusers itself picks for Z-Image checkpoints
@@ -47,18 +54,82 @@ ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 PATCH_SIZE = 2
 
 
-class ZImageAdapter(ModelAdapter):
-    arch = "zimage"
-    lora_prefix = "transformer"  # ZImageLoraLoaderMixin._lora_loadable_modules
-    # ComfyUI maps `diffusion_model.<diffusers module path>` (to_q/to_k/to_v included, into its fused qkv) for
-    # Z-Image, and diffusers' Z-Image LoRA loader strips the same prefix; ai-toolkit saves Z-Image LoRAs so.
-    comfy_prefix = "diffusion_model"
-    #: how the ComfyUI prefix joins the module path: "." (diffusion_model.layers.0.attention.to_q), not kohya's
-    #: "_"; ComfyUI has no `lora_unet_*_to_q` names for Z-Image (toolkit.network.formats.to_comfy must use it)
-    comfy_separator = "."
-    kohya_base_model = "zimage"  # ai-toolkit's base-model version for Z-Image
+class ZImageText(TextRules):
+    """Prompts inside Qwen3's chat template, padded (and cut) to `max_sequence_length` tokens."""
+
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        a = self.adapter
+        texts = [a.chat_prompt(p) for p in prompts]
+        lengths = [len(ids) for ids in a.tokenizer(texts, truncation=False).input_ids]
+        return [i for i, length in enumerate(lengths) if length > a.max_sequence_length]
+
+    def caption_token_span(self, length: int) -> tuple[int, int]:
+        """The caption's tokens sit inside the chat template: the template's own tokens stay in place."""
+        before, after = self._template_token_counts
+        return before, max(before, length - after)  # a caption cut at max_sequence_length lost its template tail
+
+    @cached_property
+    def _template_token_counts(self) -> tuple[int, int]:
+        marker = "\x00difftune-caption\x00"
+        head, tail = self.adapter.chat_prompt(marker).split(marker)
+        tokenizer = self.adapter.tokenizer
+        return len(tokenizer(head).input_ids), len(tokenizer(tail).input_ids)
+
+
+class ZImageSampling(SamplingParts):
+    """ZImagePipeline over the current components; a separate sampling transformer (e.g. Turbo) when one is set,
+    carrying the trained LoRA through shared tensors."""
+
     #: Z-Image's guidance is pos + g (pos - neg), so 0 is off: what Turbo (the usual preview model) needs
     default_guidance_scale = 0.0
+
+    def pipeline(self) -> ZImagePipeline:
+        """Its guidance is pos + g (pos - neg), so guidance_scale 0 turns CFG off (Turbo) and a negative prompt
+        only counts when g > 0."""
+        a = self.adapter
+        return ZImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(a.scheduler.config),
+            vae=a.vae,
+            text_encoder=a.text_encoder,
+            tokenizer=a.tokenizer,
+            transformer=a.sampling_transformer if a.sampling_transformer is not None else a.transformer,
+        )
+
+    @torch.no_grad()
+    def conditioning(self, prompt: str, negative: str) -> dict[str, list[torch.Tensor]]:
+        """ZImagePipeline takes the per-prompt caption features the adapter computes (the same tensors its own
+        encode_prompt gives), negative included so that guidance needs no text encoder either."""
+        a = self.adapter
+        positive, negative_features = a.caption_features(a.encode_prompts([prompt, negative or ""]), a.compute_dtype)
+        return {"prompt_embeds": [positive], "negative_prompt_embeds": [negative_features]}
+
+    def mirrors(self) -> list[torch.nn.Module]:
+        return [] if self.adapter.sampling_transformer is None else [self.adapter.sampling_transformer]
+
+    def only_modules(self) -> list[torch.nn.Module]:
+        return self.mirrors()
+
+
+def dynamic_shift_schedule(config) -> ShiftSchedule | None:
+    """The scheduler's dynamic-shift line, only where the scheduler uses it (`use_dynamic_shifting`).
+
+    ZImagePipeline always computes `mu`, but FlowMatchEulerDiscreteScheduler ignores it unless dynamic shifting is
+    on; Z-Image(-Turbo) ships with it off and a fixed `shift` (3.0), so this is None there."""
+    return ShiftSchedule.from_scheduler_config(config) if config.get("use_dynamic_shifting") else None
+
+
+class ZImageAdapter(ModelAdapter):
+    arch = "zimage"
+    facts = FACTS
+    # prefix: ZImageLoraLoaderMixin._lora_loadable_modules. ComfyUI maps `diffusion_model.<diffusers module path>`
+    # (to_q/to_k/to_v included, into its fused qkv) for Z-Image, and diffusers' Z-Image LoRA loader strips the same
+    # prefix; ai-toolkit saves Z-Image LoRAs so. The prefix joins the module path with "."
+    # (diffusion_model.layers.0.attention.to_q), not kohya's "_": ComfyUI has no `lora_unet_*_to_q` names for
+    # Z-Image. kohya_base_model: ai-toolkit's base-model version for Z-Image.
+    files = LoraFileFormat(prefix="transformer", comfy_prefix="diffusion_model", comfy_separator=".",
+                           kohya_base_model="zimage")
+    text_rules = ZImageText
+    sampling_parts = ZImageSampling
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, source: str,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH):
@@ -71,7 +142,8 @@ class ZImageAdapter(ModelAdapter):
         self.max_sequence_length = max_sequence_length
         #: the dtype the transformer computes in (kept from loading: quantized weights may report another)
         self.compute_dtype = transformer.dtype
-        self.noise_schedule = FlowMatchNoiseSchedule(scheduler.config.num_train_timesteps)
+        self.noise_schedule = FlowMatchNoiseSchedule(scheduler.config.num_train_timesteps,
+                                                     dynamic_shift_schedule(scheduler.config), PATCH_SIZE)
         self.divisor = 2 ** (len(vae.config.block_out_channels) - 1) * PATCH_SIZE
         self._denoiser: torch.nn.Module = transformer
         #: a separate transformer for sample images (e.g. Turbo); None renders with the training transformer
@@ -80,13 +152,13 @@ class ZImageAdapter(ModelAdapter):
     # --- loading ------------------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False) -> ZImageAdapter:
+    def load(cls, model_cfg: ZImageModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False, sampling_models: bool = True) -> ZImageAdapter:
         """The separate sampling transformer first (quantized if asked, then parked on the CPU), so that its
         load never meets the training transformer on the accelerator; then the training transformer (with the
         assistant LoRA merged before any quantization), quantized block by block onto the accelerator."""
         sampling = None
-        if model_cfg.sampling is not None:
+        if model_cfg.sampling is not None and sampling_models:
             with memory_debug("sampling transformer load", debug_memory):
                 sampling = cls.load_sampling_transformer(model_cfg, device, dtype, debug_memory)
         source = cls.resolve_source(model_cfg.name_or_path)
@@ -111,7 +183,7 @@ class ZImageAdapter(ModelAdapter):
         return adapter
 
     @classmethod
-    def load_sampling_transformer(cls, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+    def load_sampling_transformer(cls, model_cfg: ZImageModelConfig, device: torch.device, dtype: torch.dtype,
                                   debug_memory: bool) -> ZImageTransformer2DModel:
         cfg = model_cfg.sampling
         # a single-file sampling transformer takes its config from single_file_config, else from the training
@@ -127,7 +199,7 @@ class ZImageAdapter(ModelAdapter):
                                    list(cls.QUANTIZATION_EXCLUDE), device)
         return safe_module_to_device(transformer, "cpu")
 
-    def _quantize_and_place(self, model_cfg: ModelConfig, device: torch.device, debug_memory: bool) -> None:
+    def _quantize_and_place(self, model_cfg: ZImageModelConfig, device: torch.device, debug_memory: bool) -> None:
         """Quantize what the config asks (block by block onto the accelerator), then place the rest: with
         `low_vram` the text encoder and VAE stay on the CPU until the trainer needs them."""
         if model_cfg.quantize:
@@ -225,11 +297,6 @@ class ZImageAdapter(ModelAdapter):
                                    output_hidden_states=True).hidden_states[-2]
         return PromptEmbeds(hidden, mask, mask.sum(dim=1))
 
-    def overlong_prompts(self, prompts: list[str]) -> list[int]:
-        texts = [self.chat_prompt(p) for p in prompts]
-        lengths = [len(ids) for ids in self.tokenizer(texts, truncation=False).input_ids]
-        return [i for i, length in enumerate(lengths) if length > self.max_sequence_length]
-
     @staticmethod
     def caption_features(embeds: PromptEmbeds, dtype: torch.dtype) -> list[torch.Tensor]:
         """The transformer's caption input: one [tokens, dim] tensor per prompt, padding dropped."""
@@ -248,19 +315,6 @@ class ZImageAdapter(ModelAdapter):
     def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
         # the pipeline decodes latents / scaling_factor + shift_factor: training latents are the inverse
         return vae_latents(dist, generator, self.vae.config.scaling_factor, self.vae.config.shift_factor)
-
-    def image_seq_len(self, latents: torch.Tensor) -> int:
-        """Image tokens: latent pixels / patch area, as the pipeline computes it for the shift."""
-        return (latents.shape[-2] // PATCH_SIZE) * (latents.shape[-1] // PATCH_SIZE)
-
-    def shift_schedule(self) -> ShiftSchedule | None:
-        """The scheduler's dynamic-shift line, only where the scheduler uses it (`use_dynamic_shifting`).
-
-        ZImagePipeline always computes `mu`, but FlowMatchEulerDiscreteScheduler ignores it unless dynamic
-        shifting is on; Z-Image(-Turbo) ships with it off and a fixed `shift` (3.0), so this is None there.
-        """
-        config = self.scheduler.config
-        return ShiftSchedule.from_scheduler_config(config) if config.get("use_dynamic_shifting") else None
 
     def image_encoder_modules(self) -> list[torch.nn.Module]:
         return [self.vae]
@@ -319,44 +373,6 @@ class ZImageAdapter(ModelAdapter):
 
     # --- sampling -----------------------------------------------------------------------------------------
 
-    def sampling_pipeline(self) -> ZImagePipeline:
-        """ZImagePipeline over the current components (LoRA active). Its guidance is pos + g (pos - neg), so
-        guidance_scale 0 turns CFG off (Turbo) and a negative prompt only counts when g > 0."""
-        return ZImagePipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.scheduler.config),
-            vae=self.vae,
-            text_encoder=self.text_encoder,
-            tokenizer=self.tokenizer,
-            transformer=self.sampling_transformer if self.sampling_transformer is not None else self.transformer,
-        )
-
-    @torch.no_grad()
-    def sampling_conditioning(self, prompt: str, negative: str) -> dict[str, list[torch.Tensor]]:
-        """ZImagePipeline takes the per-prompt caption features this adapter computes (the same tensors its own
-        encode_prompt gives), negative included so that guidance needs no text encoder either."""
-        positive, negative_features = self.caption_features(self.encode_prompts([prompt, negative or ""]),
-                                                            self.compute_dtype)
-        return {"prompt_embeds": [positive], "negative_prompt_embeds": [negative_features]}
-
-    def lora_mirrors(self) -> list[torch.nn.Module]:
-        """The separate sampling transformer carries the trained LoRA too (shared, never copied)."""
-        return [] if self.sampling_transformer is None else [self.sampling_transformer]
-
-    def caption_token_span(self, length: int) -> tuple[int, int]:
-        """The caption's tokens sit inside the chat template: the template's own tokens stay in place."""
-        before, after = self._template_token_counts
-        return before, max(before, length - after)  # a caption cut at max_sequence_length lost its template tail
-
-    @cached_property
-    def _template_token_counts(self) -> tuple[int, int]:
-        marker = "\x00difftune-caption\x00"
-        head, tail = self.chat_prompt(marker).split(marker)
-        return len(self.tokenizer(head).input_ids), len(self.tokenizer(tail).input_ids)
-
-    def sampling_only_modules(self) -> list[torch.nn.Module]:
-        """The separate sampling transformer, when one is set."""
-        return [] if self.sampling_transformer is None else [self.sampling_transformer]
-
     def describe(self) -> dict[str, str]:
         return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}
 
@@ -367,7 +383,7 @@ def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
     if not Path(path).is_file():
         raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
     state, metadata = ZImagePipeline.lora_state_dict(path, return_lora_metadata=True)
-    merge_lora_state(transformer, state, ZImageAdapter.lora_prefix, metadata)
+    merge_lora_state(transformer, state, ZImageAdapter.files.prefix, metadata)
 
 
 def is_single_file(source: str) -> bool:

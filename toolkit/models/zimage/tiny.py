@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .tiny import ensure_tiny
+from toolkit.models.tiny import ensure_tiny
 
 TINY_ZIMAGE = {
     "transformer": {

@@ -10,13 +10,13 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 from PIL import Image
 
-from .metrics import read_metrics
+from toolkit.files import write_text_atomic
+from toolkit.run.metrics import read_metrics
 
 REPORT_FILE = "report.html"
 PLAN_FILE = "plan.json"
@@ -172,8 +172,4 @@ def build_report(run_dir: Path) -> str:
 
 def write_report(run_dir: Path) -> Path:
     """(Re)write report.html atomically."""
-    path = run_dir / REPORT_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a concurrent --report writes its own
-    tmp.write_text(build_report(run_dir), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(run_dir / REPORT_FILE, build_report(run_dir))

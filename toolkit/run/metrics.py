@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+from toolkit.files import write_text_atomic
+
 
 def progress_bars_wanted() -> bool:
     """False under `run.py --quiet`, which sets tqdm's own TQDM_DISABLE (so library bars go quiet too)."""
@@ -48,9 +50,7 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 class Throughput:

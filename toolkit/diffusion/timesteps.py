@@ -12,7 +12,7 @@ One draw of `sample_timestep_u` is, in order:
 Every draw comes from the explicit CPU generator passed in, so a step's draws are a pure function of
 that generator's seed (see toolkit/train/seeding.py).
 
-`python -m toolkit.train.timesteps` prints the density of every sampler (docs/timesteps.md).
+`python -m toolkit.diffusion.timesteps` prints the density of every sampler (docs/timesteps.md).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
 import torch
+
+from toolkit.diffusion.timestep_params import TimestepParams
 
 TimestepType = Literal["uniform", "sigmoid", "lognorm_blend", "shift", "weighted", "gaussian", "fixed_cycle"]
 ContentOrStyle = Literal["balanced", "content", "style"]
@@ -49,43 +51,6 @@ class TimestepDraw(NamedTuple):
 
     u: torch.Tensor
     loss_weight: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class TimestepParams:
-    """Sampler parameters; the integrator maps `train.timestep_params.*` onto these fields."""
-
-    #: sigmoid: mean of the normal in logit space (None = 0.0); gaussian: mean in u-space (None = 0.5)
-    mean: float | None = None
-    #: sigmoid: std of the normal in logit space
-    std: float = 1.0
-    #: shift: the flow-matching time shift s in u -> s*u / (1 + (s-1)*u); 1.0 is no shift
-    shift: float = 3.0
-    #: shift: compute s from the image sequence length and the scheduler's base/max shift instead
-    dynamic_shift: bool = False
-    #: gaussian: std in u-space when no curriculum is set
-    gaussian_std: float = 0.2
-    #: gaussian curriculum: std at progress 0 and at progress 1 (both or neither)
-    gaussian_std_start: float | None = None
-    gaussian_std_end: float | None = None
-    #: fixed_cycle: u values visited in order, one per optimizer update
-    cycle: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "cycle", tuple(float(c) for c in self.cycle))
-        errors = [
-            f"timestep_params.{name} must be > 0, got {value}"
-            for name, value in (("std", self.std), ("shift", self.shift), ("gaussian_std", self.gaussian_std),
-                                ("gaussian_std_start", self.gaussian_std_start),
-                                ("gaussian_std_end", self.gaussian_std_end))
-            if value is not None and not value > 0
-        ]
-        if (self.gaussian_std_start is None) != (self.gaussian_std_end is None):
-            errors.append("timestep_params.gaussian_std_start and gaussian_std_end: set both or neither")
-        errors += [f"timestep_params.cycle[{i}] must be in (0, 1), got {c}"
-                   for i, c in enumerate(self.cycle) if not 0.0 < c < 1.0]
-        if errors:
-            raise ValueError("; ".join(errors))
 
 
 @dataclass(frozen=True)
@@ -296,7 +261,7 @@ def _shift_value(params: TimestepParams, image_seq_len: int | None, schedule: Sh
     return schedule.shift_for(image_seq_len)
 
 
-# --- `python -m toolkit.train.timesteps`: ASCII densities from the real samplers -----------------------
+# --- `python -m toolkit.diffusion.timesteps`: ASCII densities from the real samplers -----------------------
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 

@@ -1,0 +1,356 @@
+"""The sections of a job's process config (network, save, datasets, train and its groups, sample, logging):
+the leaves of the schema, which lower layers (network, data, train) take as their types. Free of torch and of
+the model registry; toolkit.config.schema assembles them with the family's `model` section."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from toolkit.config.base import DType, Section, aka
+from toolkit.diffusion.timestep_params import TimestepParams
+from toolkit.train.optimizer_params import optimizer_param_problems, uses_relative_step
+
+
+class NetworkConfig(Section):
+    """The trained adapter (peft's LoRA, LoKr or LoHa)."""
+
+    type: Literal["lora", "lokr", "loha"] = Field(
+        "lora", description="Adapter type: lora, lokr (Kronecker product) or loha (Hadamard product), as peft "
+        "builds them.", json_schema_extra=aka("network_type", "network_module"))
+    linear: int = Field(16, ge=1, description="Rank of linear layers (and of any target_modules).",
+                        json_schema_extra=aka("rank", "network_dim", "r"))
+    linear_alpha: float = Field(16.0, gt=0, description="Alpha of linear layers; the update is scaled by "
+                                "alpha / rank.", json_schema_extra=aka("alpha", "network_alpha", "lora_alpha"))
+    conv: int | None = Field(None, ge=1, description="Rank of the convolution layers the family adapts (SD's "
+                             "resnet and resampling convs, LoCon style); unset: no conv layers.",
+                             json_schema_extra=aka("conv_dim", "conv_rank"))
+    conv_alpha: float | None = Field(None, gt=0, description="Alpha of the conv layers; default `conv`.")
+    use_dora: bool = Field(False, description="lora only: weight-decomposed LoRA (DoRA, peft's use_dora). Saved in "
+                           "the diffusers file only (no ComfyUI form yet).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora: dropout on the LoRA input (peft's lora_dropout).",
+                           json_schema_extra=aka("lora_dropout", "network_dropout"))
+    target_modules: list[str] | None = Field(
+        None, description="Module names (or name endings) to adapt; default: the family's attention projections."
+    )
+    only_if_contains: list[str] | None = Field(
+        None, description="Adapt only modules whose full name contains one of these strings (e.g. `up_blocks`).")
+    ignore_if_contains: list[str] | None = Field(
+        None, description="Never adapt modules whose full name contains one of these strings.")
+    rank_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: zero each rank channel of each "
+                                "sample with this probability (the rest rescaled to keep the mean).")
+    module_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: skip a whole adapter module for a "
+                                  "forward pass with this probability.")
+    pretrained_lora_path: str | None = Field(
+        None, description="Start from this adapter file (difftune/diffusers or ComfyUI/kohya keys, of the same "
+        "type and ranks); its alphas are honoured, so the model starts with exactly the file's weight deltas.",
+        json_schema_extra=aka("network_weights", "resume_lora"))
+
+    @model_validator(mode="after")
+    def _options_of_the_type(self) -> NetworkConfig:
+        problems = []
+        if self.use_dora and self.type != "lora":
+            problems.append("`use_dora` applies to type lora only")
+        if self.dropout and self.type != "lora":
+            problems.append("`dropout` (lora_dropout) applies to type lora; lokr and loha take rank_dropout and "
+                            "module_dropout")
+        if self.conv_alpha is not None and self.conv is None:
+            problems.append("`conv_alpha` needs `conv` (the conv rank)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class SaveConfig(Section):
+    """What is written, and when."""
+
+    dtype: DType = Field("float16", description="Dtype of the saved LoRA weights.",
+                         json_schema_extra=aka("save_precision"))
+    save_every: int = Field(250, ge=0, description="Save a checkpoint every N steps (optimizer updates); "
+                            "0 saves only at the end.", json_schema_extra=aka("save_every_n_steps"))
+    formats: list[Literal["diffusers", "comfy"]] | None = Field(
+        None, min_length=1,
+        description="Final LoRA files: `diffusers` (<name>.safetensors, diffusers/peft keys) and `comfy` "
+        "(<name>.comfy.safetensors, ComfyUI/kohya keys with alphas, for ComfyUI and A1111/Forge). Default: both "
+        "where the family has a ComfyUI form (sd15, zimage), else diffusers.")
+    max_step_saves_to_keep: int = Field(4, ge=1, description="Complete step checkpoints kept; older ones are "
+                                        "pruned after a newer one is complete.",
+                                        json_schema_extra=aka("save_last_n_steps", "checkpoints_total_limit"))
+
+
+class DatasetConfig(Section):
+    """One folder of images with sidecar captions."""
+
+    folder_path: str = Field(..., description="Folder of images (png, jpg, jpeg, webp).",
+                             json_schema_extra=aka("path", "image_dir", "train_data_dir", "instance_data_dir"))
+    caption_ext: str = Field("txt", description="Extension of the caption file next to each image.",
+                             json_schema_extra=aka("caption_extension"))
+    default_caption: str = Field("", description="Caption for images without a caption file.")
+    resolution: list[int] = Field(
+        [512],
+        description="Training sizes. Each value is a target pixel area (value x value); every image is "
+        "trained at each size not larger than itself (always at least the smallest), in the aspect-ratio "
+        "bucket closest to its own.",
+    )
+    num_repeats: int = Field(1, ge=1, description="How often each image appears per epoch.",
+                             json_schema_extra=aka("repeats", "num_repeat"))
+    is_reg: bool = Field(False, description="Regularisation images: the trigger word is not added.")
+    shuffle_tokens: bool = Field(False, description="Shuffle the comma-separated caption segments every epoch, "
+                                 "keeping the first `keep_tokens` in place. With cached text embeddings the "
+                                 "cached token positions are permuted instead.",
+                                 json_schema_extra=aka("shuffle_caption"))
+    keep_tokens: int = Field(1, ge=0, description="Leading caption segments that shuffling and token dropout "
+                             "leave alone.")
+    caption_dropout_rate: float = Field(0.0, ge=0, le=1, description="Probability that a sample's caption is "
+                                        "replaced by the blank prompt.",
+                                        json_schema_extra=aka("caption_dropout", "caption_dropout_probability"))
+    token_dropout_rate: float = Field(0.0, ge=0, le=1, description="Probability that each caption segment "
+                                      "after the kept ones is dropped (never the trigger word's). Needs "
+                                      "uncached text embeddings.")
+    cache_latents: bool = Field(False, description="Encode every image once before training and keep the "
+                                "latents in memory (every process encodes all of them).")
+    cache_latents_to_disk: bool = Field(False, description="Encode every image once and keep the latents in "
+                                        "the cache folder, reused by later runs; processes share the work.")
+    cache_dir: str | None = Field(None, description="Cache folder; default `<folder_path>/_difftune_cache`. "
+                                  "Safe to delete.")
+
+    @field_validator("resolution", mode="before")
+    @classmethod
+    def _one_resolution_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) else value
+
+    @field_validator("resolution")
+    @classmethod
+    def _positive_sorted(cls, value: list[int]) -> list[int]:
+        if not value or any(v < 8 for v in value):
+            raise ValueError("give one or more sizes of at least 8 pixels")
+        return sorted(set(value))
+
+    @field_validator("caption_ext")
+    @classmethod
+    def _no_dot(cls, value: str) -> str:
+        return value.lstrip(".")
+
+
+class LRSchedulerParams(Section):
+    """Parameters of the LR schedules that take them."""
+
+    num_cycles: int = Field(1, ge=1, description="cosine_with_restarts: number of hard restarts.")
+    power: float = Field(1.0, gt=0, description="polynomial: power of the decay.")
+    lr_end: float = Field(0.0, ge=0, description="polynomial: final LR.")
+
+
+class TimestepParamsConfig(Section):
+    """Parameters of the timestep samplers (see docs/timesteps.md)."""
+
+    mean: float | None = Field(None, description="sigmoid: mean in logit space (default 0); gaussian: mean in "
+                               "u-space (default 0.5).")
+    std: float = Field(1.0, gt=0, description="sigmoid: std in logit space.")
+    shift: float = Field(3.0, gt=0, description="shift: the time shift s in u -> s u / (1 + (s - 1) u).")
+    dynamic_shift: bool = Field(False, description="shift: take s from the image size and the scheduler's "
+                                "base/max shift (flow-matching families).")
+    gaussian_std: float = Field(0.2, gt=0, description="gaussian: std in u-space.")
+    gaussian_std_start: float | None = Field(None, gt=0, description="gaussian curriculum: std at the start.")
+    gaussian_std_end: float | None = Field(None, gt=0, description="gaussian curriculum: std at the end.")
+    cycle: list[float] = Field([], description="fixed_cycle: u values visited in order, one per update.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TimestepParamsConfig:
+
+        TimestepParams(**self.model_dump())  # raises naming every bad key
+        return self
+
+
+class OptimizerSection(Section):
+    """The optimizer (what `build_optimizer` takes)."""
+
+    optimizer: Literal["adamw", "adamw8bit", "lion8bit", "adafactor"] = Field(
+        "adamw", description="Optimizer (docs/optimizers.md).", json_schema_extra=aka("optimizer_type"))
+    lr: float = Field(1e-4, ge=0, description="Peak learning rate (unset or 0 with relative-step Adafactor, "
+                      "which picks its own).", json_schema_extra=aka("learning_rate", "unet_lr"))
+    optimizer_params: dict[str, Any] = Field(
+        {}, description="Extra keyword arguments of the optimizer (e.g. weight_decay, betas).",
+        json_schema_extra=aka("optimizer_args"),
+    )
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 disables clipping.",
+                                 json_schema_extra=aka("clip_grad_norm"))
+
+
+class LRScheduleSection(Section):
+    """The LR schedule over optimizer updates (what `build_lr_scheduler` takes)."""
+
+    lr_scheduler: Literal[
+        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
+    ] = Field("constant", description="LR schedule over the optimizer updates.")
+    lr_scheduler_params: LRSchedulerParams = Field(LRSchedulerParams(), description="See below.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Warmup updates (linear from 0 to `lr`).",
+                                 json_schema_extra=aka("warmup_steps"))
+    lr_warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warmup as a fraction of the total "
+                                          "updates; not together with `lr_warmup_steps`.")
+
+
+class ObjectiveSection(Section):
+    """Timesteps and loss: what the training objective takes."""
+
+    timestep_type: Literal["uniform", "sigmoid", "lognorm_blend", "shift", "weighted", "gaussian", "fixed_cycle"] = Field(
+        "uniform", description="How noise levels are drawn (docs/timesteps.md).", json_schema_extra=aka("timestep_sampling"))
+    timestep_params: TimestepParamsConfig = Field(TimestepParamsConfig(), description="See below.")
+    content_or_style: Literal["balanced", "content", "style"] = Field(
+        "balanced", description="Bias toward high noise (content, composition) or low noise (style, texture).")
+    timestep_range: list[float] = Field([0.0, 1.0], min_length=2, max_length=2,
+                                        description="[min, max] of u (0 = clean, 1 = pure noise) trained on.")
+    loss_type: Literal["mse", "mae", "pseudo_huber"] = Field("mse", description="Per-sample loss.")
+    huber_c: float = Field(0.1, gt=0, description="pseudo_huber: the transition point c.")
+    min_snr_gamma: float | None = Field(None, gt=0, description="Min-SNR-gamma loss weighting (e.g. 5); off when "
+                                        "unset.", json_schema_extra=aka("snr_gamma"))
+    noise_offset: float = Field(0.0, ge=0, description="Add this times per-channel constant noise.")
+    blank_prompt_preservation: bool = Field(False, description="Also keep the LoRA's prediction for the blank "
+                                            "prompt equal to the base model's (loss `loss_bpp`).")
+    blank_prompt_preservation_multiplier: float = Field(1.0, gt=0, description="Weight of the blank-prompt term.")
+    blank_prompt_probability: float = Field(1.0, ge=0, le=1, description="Fraction of updates that compute the "
+                                            "blank-prompt term (it costs a second forward pass).")
+    differential_guidance_scale: float | None = Field(
+        None, gt=0, description="Train toward pred + s (target - pred): s > 1 pushes further toward the target.")
+
+
+class RuntimeSection(Section):
+    """How the loop runs: precision, memory, compilation, data workers."""
+
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Mixed precision of the forward pass. `auto`: bf16 on CUDA, fp32 on CPU.",
+        json_schema_extra=aka("mixed_precision"),
+    )
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trained model.")
+    compile: bool = Field(False, description="torch.compile the trained model (through accelerate, after the DDP "
+                          "wrap): the first updates (and each new bucket shape) wait for the compiler, later ones "
+                          "run faster where the backend helps. Measured figures: docs/performance.md.")
+    compile_backend: Literal["inductor", "aot_eager", "eager", "cudagraphs"] = Field(
+        "inductor", description="torch.compile backend for `compile`: inductor generates fused kernels; aot_eager "
+        "and eager only trace (quick checks that the model compiles at all)."
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes.",
+                             json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
+    persistent_workers: bool = Field(True, description="Keep the DataLoader workers alive between epochs "
+                                     "(with num_workers > 0) instead of starting them again each epoch.",
+                                     json_schema_extra=aka("persistent_data_loader_workers"))
+
+
+class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, RuntimeSection):
+    """The optimisation loop. A `step` is one optimizer update everywhere. The keys stand side by side in the job
+    file; each consumer takes its own group (`optimization`, `lr_schedule`, `objective`, `runtime`)."""
+
+    batch_size: int = Field(1, ge=1, description="Images per micro-batch per process.",
+                            json_schema_extra=aka("train_batch_size"))
+    steps: int | None = Field(None, ge=1, description="Total optimizer updates. Wins over `epochs` when both "
+                              "are given.", json_schema_extra=aka("max_train_steps", "max_steps"))
+    epochs: int | None = Field(None, ge=1, description="Passes over the dataset, used when `steps` is unset.",
+                               json_schema_extra=aka("num_train_epochs", "max_train_epochs"))
+    gradient_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer update.",
+                                       json_schema_extra=aka("gradient_accumulation_steps"))
+    seed: int = Field(42, description="Seed of data order, noise and timesteps.")
+    cache_text_embeddings: bool = Field(False, description="Encode every distinct caption once before training "
+                                        "(cached in the datasets' cache folders), then move the text encoder "
+                                        "off the accelerator.", json_schema_extra=aka("cache_text_encoder_outputs"))
+    resume: bool | str = Field(
+        "auto",
+        description="`auto`: continue from the newest complete checkpoint of this run, if any. A path: continue "
+        "from that checkpoint folder. `false`: start fresh (refused where a run already saved work, unless "
+        "`overwrite`).",
+        json_schema_extra=aka("resume_from_checkpoint"),
+    )
+    overwrite: bool = Field(False, description="Start over in a run folder that already holds a finished "
+                            "LoRA or checkpoints (they are removed). Implies no resume.")
+
+
+    @property
+    def optimization(self) -> OptimizerSection:
+        return self.section(OptimizerSection)
+
+    @property
+    def lr_schedule(self) -> LRScheduleSection:
+        return self.section(LRScheduleSection)
+
+    @property
+    def objective(self) -> ObjectiveSection:
+        return self.section(ObjectiveSection)
+
+    @property
+    def runtime(self) -> RuntimeSection:
+        return self.section(RuntimeSection)
+
+    def _relative_step_problems(self) -> list[str]:
+        if not uses_relative_step(self.optimizer, self.optimizer_params):
+            return [] if self.lr > 0 else ["`lr` must be above 0 (only relative-step Adafactor picks its own)"]
+        why = "adafactor with relative_step picks its own LR (bounded by optimizer_params min_lr/max_lr)"
+        problems = []
+        if "lr" in self.model_fields_set and self.lr != 0:
+            problems.append(f"{why}, so a manual `lr` is ambiguous: remove `lr` (or set 0), or set "
+                            "optimizer_params.relative_step: false to use `lr` and the LR schedule")
+        if self.lr_scheduler not in ("constant", "constant_with_warmup") or self.lr_warmup_steps or self.lr_warmup_ratio:
+            problems.append(f"{why}; an LR schedule or warmup would not apply: use lr_scheduler: constant, no "
+                            "warmup, or set optimizer_params.relative_step: false")
+        return problems
+
+    @field_validator("resume")
+    @classmethod
+    def _auto_or_path(cls, value: bool | str) -> bool | str:
+        return "auto" if value is True else value
+
+    @model_validator(mode="after")
+    def _length_and_warmup(self) -> TrainConfig:
+        problems = []
+        if self.steps is None and self.epochs is None:
+            problems.append("give `steps` (optimizer updates) or `epochs`")
+        if self.lr_warmup_steps and self.lr_warmup_ratio is not None:
+            problems.append("give `lr_warmup_steps` or `lr_warmup_ratio`, not both")
+        if self.steps is not None and self.lr_warmup_steps >= self.steps:
+            problems.append(f"`lr_warmup_steps` ({self.lr_warmup_steps}) must be shorter than `steps` ({self.steps})")
+        if self.lr_scheduler == "polynomial" and self.lr_scheduler_params.lr_end >= self.lr:
+            problems.append(f"`lr_scheduler_params.lr_end` ({self.lr_scheduler_params.lr_end}) must be below `lr` "
+                            f"({self.lr})")
+        problems += optimizer_param_problems(self.optimizer, self.optimizer_params)
+        problems += self._relative_step_problems()
+        low, high = self.timestep_range
+        if not 0 <= low < high <= 1:
+            problems.append(f"`timestep_range` must be [min, max] with 0 <= min < max <= 1, got {self.timestep_range}")
+        if self.timestep_type == "fixed_cycle" and not self.timestep_params.cycle:
+            problems.append("`timestep_type: fixed_cycle` needs `timestep_params.cycle`, e.g. [0.9, 0.5, 0.1]")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class SampleConfig(Section):
+    """Sample images rendered during training."""
+
+    sample_every: int = Field(0, ge=0, description="Render samples every N steps; 0 = only at the end "
+                              "(when prompts are given).", json_schema_extra=aka("sample_every_n_steps"))
+    prompts: list[str] = Field([], description="Prompts; `[trigger]` is replaced by the trigger word.",
+                               json_schema_extra=aka("sample_prompts"))
+    neg: str = Field("", description="Negative prompt.", json_schema_extra=aka("negative_prompt"))
+    seed: int = Field(42, description="Seed of the first prompt.")
+    walk_seed: bool = Field(True, description="Prompt i uses seed + i (otherwise every prompt uses `seed`).")
+    guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale; default per "
+                                         "family: sd15 7, wuerstchen 4 (the prior), zimage 0 (off, for Turbo; "
+                                         "the base model wants about 4).",
+                                  json_schema_extra=aka("cfg_scale", "cfg"))
+    sample_steps: int = Field(20, ge=1, description="Denoising steps per sample.",
+                              json_schema_extra=aka("num_inference_steps", "steps"))
+    width: int = Field(512, ge=8, description="Sample width in pixels (a multiple of the model's divisor).")
+    height: int = Field(512, ge=8, description="Sample height in pixels (a multiple of the model's divisor).")
+    sample_at_start: bool = Field(False, description="Also render a baseline before the first update.")
+
+
+class LoggingConfig(Section):
+    """What is logged."""
+
+    log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every N steps (and always for the last). "
+                           "Only logged updates read values back from the GPU, so N > 1 also lets the host run "
+                           "further ahead of it.")
+    debug_timesteps: bool = Field(False, description="Add a 10-bin histogram of the sampled u and the mean loss "
+                                  "per bin to each metrics line (main process's draws).")
+    tensorboard: bool = Field(False, description="Also log the metrics to TensorBoard (<run>/tensorboard/), through "
+                              "accelerate's tracker; needs `pip install tensorboard` (the `tensorboard` extra).")
+    debug_memory: bool = Field(False, description="Log accelerator memory (allocated, reserved, peak) and process "
+                               "RSS around model load, quantization, encoder unloads, LoRA load and sampling.")

@@ -1,0 +1,95 @@
+"""The data and conditioning part of a run: the dataset, its latent and text caches, the batch order and the
+dataloader, and the micro-batches of an epoch from a (resumed) position."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from toolkit.config.sections import DatasetConfig, TrainConfig
+from toolkit.data.buckets import BucketBatchSampler
+from toolkit.data.dataset import ImageDataset, build_dataset, collate
+from toolkit.data.latent_cache import LatentCache, cache_root
+from toolkit.data.text_cache import CachedCaptions, LiveCaptions
+from toolkit.device import ModulePlacement
+from toolkit.models.base import ModelAdapter, PromptEmbeds
+from toolkit.train.plan import Position
+
+log = logging.getLogger("difftune")
+
+
+class TrainingData:
+    """Built with what it needs: the dataset configs, the trigger word, the `train` keys of data order and
+    caching, the family adapter (encoders, divisor) and where the encoders live."""
+
+    def __init__(self, datasets: list[DatasetConfig], trigger_word: str | None, train: TrainConfig,
+                 adapter: ModelAdapter, placement: ModulePlacement):
+        self.cfgs = datasets
+        self.trigger_word = trigger_word
+        self.train = train
+        self.adapter = adapter
+        self.placement = placement
+        self.dataset: ImageDataset = build_dataset(datasets, trigger_word, adapter.divisor)
+        self.batch_sampler = BucketBatchSampler(self.dataset.bucket_keys(), train.batch_size, train.seed)
+        self.conditioning: LiveCaptions | CachedCaptions | None = None
+        self.dataloader = None
+
+    def warn_overlong_captions(self) -> None:
+        records = list({item.record.path: item.record for item in self.dataset.items}.values())
+        cut = self.adapter.text.overlong_prompts([r.caption for r in records])
+        if cut:
+            log.warning("%d captions are longer than the text encoder takes and will be cut, e.g. %s",
+                        len(cut), records[cut[0]].path)
+
+    def build_caches(self, accelerator) -> None:
+        """Latent and text-embedding caches as the config asks; encoders that are no longer needed in the loop
+        then leave the accelerator (they come back only to render samples)."""
+        cfgs, adapter, placement = self.cfgs, self.adapter, self.placement
+        roots = {i: cache_root(cfg.folder_path, cfg.cache_dir) for i, cfg in enumerate(cfgs)}
+        caching = {i: roots[i] for i, cfg in enumerate(cfgs) if cfg.cache_latents or cfg.cache_latents_to_disk}
+        if caching:
+            cache = LatentCache(self.dataset, caching, {i: cfgs[i].cache_latents_to_disk for i in caching},
+                                adapter.encoder_identity("image"))
+            with placement.visiting(adapter.image_encoder_modules()):
+                cache.build(adapter, accelerator)
+            self.dataset.latents = cache
+            if cache.covers_everything:
+                placement.offload(adapter.image_encoder_modules(), "image encoder unload")
+        seed = self.train.seed
+        if self.train.cache_text_embeddings:
+            self.conditioning = CachedCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word, roots)
+            with placement.visiting(adapter.text_encoder_modules()):
+                self.conditioning.build(accelerator)
+            placement.offload(adapter.text_encoder_modules(), "text encoder unload")
+        else:
+            self.conditioning = LiveCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word)
+        placement.keep_on_device(adapter.image_encoder_modules() + adapter.text_encoder_modules())
+
+    def make_dataloader(self, pin_memory: bool) -> torch.utils.data.DataLoader:
+        runtime = self.train.runtime
+        return torch.utils.data.DataLoader(
+            self.dataset,
+            batch_sampler=self.batch_sampler,
+            collate_fn=collate,
+            num_workers=runtime.num_workers,
+            persistent_workers=runtime.num_workers > 0 and runtime.persistent_workers,
+            pin_memory=pin_memory,
+            # Each new iterator draws a worker seed; its own generator keeps that draw out of the global RNG, so a
+            # resumed run (which starts an iterator mid-epoch) sees the same global RNG stream.
+            generator=torch.Generator().manual_seed(self.train.seed),
+        )
+
+    def epoch_batches(self, accelerator, position: Position):
+        """This epoch's micro-batches on this process, from the resumed position (skipped, not loaded)."""
+        skip = position.micro_batch_in_epoch
+        loader = accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader
+        # accelerate's loader passes its own iteration count to the sampler when iterated; a resumed run (or a
+        # skip loader) starts that count at 0, so set it to the real epoch on both.
+        loader.set_epoch(position.epoch)
+        self.batch_sampler.set_epoch(position.epoch)
+        self.conditioning.start_epoch(position.epoch)
+        return enumerate(loader, start=skip)
+
+    def embeds_for(self, batch: dict, epoch: int) -> PromptEmbeds:
+        return self.conditioning.embeds_for(batch["indices"], epoch)

@@ -1,0 +1,36 @@
+"""Writing a file so that a reader (or a crash) never sees half of it: write a temporary sibling, then rename.
+
+Every file difftune writes in a run folder or a cache goes through `write_atomic`. The temporary name holds the
+process id, so processes writing the same file at once (e.g. cache entries, a concurrent `--report`) never share
+one; whichever rename comes last wins, and each of them is a whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` writes the content to a temporary path next to `path`, which then replaces `path` in one
+    rename. On any failure the temporary file is removed and `path` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(path: Path, data: dict, sort_keys: bool = True) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")

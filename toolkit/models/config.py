@@ -1,0 +1,71 @@
+"""The `model` keys every family shares, option groups several families declare, and the class-level facts a
+family states about itself. Free of torch, so config checks read them before any library loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from toolkit.config.base import QType, Section, aka
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What a family can do, known before any weight loads (config-time checks read these)."""
+
+    #: one line for `model.arch` docs and messages
+    title: str
+    #: the family has convolution layers `network.conv` can adapt (LoCon)
+    conv_layers: bool = False
+    #: the `model` key of an extra model without which sample images cannot be rendered (None: none needed)
+    sampling_needs: str | None = None
+
+
+class ModelConfigBase(Section):
+    """The base model to fine-tune: keys every family takes."""
+
+    arch: str = Field(..., description="Model family (see the sections per family below).",
+                      json_schema_extra=aka("model_type", "base_model"))
+    name_or_path: str = Field(
+        ...,
+        description="A diffusers folder, a hub id, a single-file .safetensors checkpoint, or `tiny` for a "
+        "small random model built offline (tests, quickstart).",
+        json_schema_extra=aka("path", "pretrained_model_name_or_path", "model_path"),
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="Dtype of the frozen base weights. `auto`: bfloat16 on CUDA, float32 on CPU."
+    )
+    variant: str | None = Field(None, description="Weight file variant of a diffusers folder, e.g. `fp16`.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
+    low_vram: bool = Field(False, description="Keep every module the current phase does not use on the CPU: the "
+                           "encoders visit the accelerator only to build the caches (or stay for live encoding), "
+                           "and sample-only models only while sampling.")
+
+    #: the family's facts (set by each family's config class)
+    facts: ClassVar[FamilyFacts] = FamilyFacts(title="")
+
+
+class QuantizedBaseOptions(Section):
+    """Quantizing the frozen base with optimum-quanto, and an assistant LoRA merged into it: the same keys for
+    every family that offers them."""
+
+    quantize: bool = Field(False, description="Quantize the frozen denoiser with optimum-quanto (block by block; "
+                           "embedders and final layers stay in full precision).")
+    qtype: QType = Field("qfloat8", description="Weight type of `quantize`.")
+    quantize_te: bool = Field(False, description="Quantize the text encoder likewise.")
+    qtype_te: QType = Field("qfloat8", description="Weight type of `quantize_te`.")
+    assistant_lora_path: str | None = Field(
+        None, description="A LoRA merged into the training denoiser only (e.g. a Turbo training adapter); never "
+        "into a separate sampling model or the saved LoRA.")
+
+
+class SamplingModelConfig(Section):
+    """A denoiser used only to render sample images."""
+
+    name_or_path: str = Field(..., description="A diffusers folder or hub id (e.g. Tongyi-MAI/Z-Image-Turbo), or a "
+                              "single-file transformer .safetensors.")
+    subfolder: str | None = Field("transformer", description="Subfolder of the transformer in a diffusers folder.")
+    quantize: bool = Field(False, description="Quantize it with optimum-quanto.")
+    qtype: QType = Field("qfloat8", description="Weight type of `quantize`.")

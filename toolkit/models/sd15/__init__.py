@@ -1,0 +1,1 @@
+"""Stable Diffusion 1.x family."""

@@ -1,0 +1,1 @@
+"""Wuerstchen v2 prior family."""

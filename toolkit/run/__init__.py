@@ -1,0 +1,1 @@
+"""Run services: checkpoints, status and control, metrics, the report, sample images, signals."""

@@ -1,0 +1,88 @@
+"""The run folder `<training_folder>/<name>/`: where everything of a run lives, what a fresh start would
+overwrite, and which checkpoint a rerun continues from."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from toolkit.errors import UserError
+from toolkit.files import write_text_atomic
+from toolkit.run import checkpoint
+
+log = logging.getLogger("difftune")
+
+
+class RunFolderError(UserError, RuntimeError):
+    """The run folder holds work this run would overwrite."""
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+    name: str
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def final_lora(self) -> Path:
+        return self.root / f"{self.name}.safetensors"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples"
+
+    def saved_work(self) -> list[Path]:
+        """What a fresh start would overwrite: complete checkpoints and the final LoRA."""
+        complete, _ = checkpoint.scan_checkpoints(self.checkpoints)
+        return complete + [p for p in [self.final_lora] if p.exists()]
+
+    def resume_point(self, resume: bool | str, overwrite: bool) -> Path | None:
+        """The checkpoint to continue from (`train.resume`), or None to start fresh. Reads only; refuses to
+        overwrite saved work unless `overwrite`."""
+        if overwrite:
+            return None
+        if resume not in (False, "auto"):
+            folder = Path(resume)
+            if not (folder / checkpoint.COMPLETE_MARKER).is_file():
+                raise checkpoint.CheckpointError(f"train.resume: {folder} is not a complete checkpoint folder")
+            return folder
+        complete, incomplete = checkpoint.scan_checkpoints(self.checkpoints)
+        for folder in incomplete:
+            log.warning("ignoring incomplete checkpoint %s (its save did not finish)", folder)
+        if resume == "auto" and complete:
+            return complete[-1]
+        if self.saved_work():
+            names = ", ".join(str(p) for p in self.saved_work()[-2:])
+            reason = "train.resume is false" if resume is False else "there is no checkpoint to resume from"
+            raise RunFolderError(f"run folder {self.root} already holds saved work ({names}) and {reason}; set "
+                                 "train.overwrite: true to start over, or choose another config.name")
+        return None
+
+    def open(self, overwrite: bool, resolved_config: dict) -> None:
+        """Remove what `train.overwrite` replaces, then write the resolved config (one process calls this)."""
+        if overwrite:
+            for path in [self.checkpoints, self.final_lora, self.metrics, self.samples]:
+                if path.exists():
+                    log.warning("train.overwrite: removing %s", path)
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.root / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
+
+    def set_aside_after(self, step: int) -> Path | None:
+        """Continuing from an older checkpoint abandons the newer ones: they move aside, not away."""
+        aside = checkpoint.set_aside_newer(self.checkpoints, step, self.final_lora)
+        if aside is not None:
+            log.warning("continuing from step %d: the newer checkpoints of the earlier run were moved to %s", step,
+                        aside)
+        return aside

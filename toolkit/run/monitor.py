@@ -1,0 +1,197 @@
+"""The monitor part of a run: everything that watches it or steers it from outside, and nothing that trains.
+
+status.json (running / stopped / finished / failed, from the first moment of the run), control requests (stop,
+save, sample) agreed across processes, metrics.jsonl lines and TensorBoard scalars for logged updates, the
+progress bar, sample images and report.html. Its lifecycle: `started` (before setup, so that a setup failure is
+reported) -> `planned` (the plan, the resumed step and the samples part are known) -> per update `after_update`
+and `decide` -> `ended`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from toolkit.config.sections import LoggingConfig
+from toolkit.device import memory_fields
+from toolkit.files import write_json_atomic
+from toolkit.run.control import RunMonitor
+from toolkit.run.folder import RunFolder
+from toolkit.run.metrics import MetricsWriter, Throughput, TimestepStats, progress_bars_wanted, truncate_after
+from toolkit.run.report import PLAN_FILE, write_report
+from toolkit.run.sampling import Sampler
+from toolkit.train.plan import TrainingPlan
+
+log = logging.getLogger("difftune")
+
+
+@dataclass
+class UpdateValues:
+    """One update's loss parts and gradient norm, still on the device (averaged over processes): they come to
+    the host, in one transfer, only when the update is logged or the progress bar is due."""
+
+    step: int
+    epoch: int
+    scheduled_lr: float
+    names: list[str]
+    values: torch.Tensor  # one float32 value per name
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.values[self.names.index("loss")]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every process does after this update, agreed over the host group."""
+
+    stop: bool = False
+    save: bool = False
+    sample: bool = False
+
+
+class Monitor:
+    def __init__(self, folder: RunFolder, accelerator, host_group, logging_cfg: LoggingConfig, name: str):
+        self.folder = folder
+        self.accelerator = accelerator
+        self.host_group = host_group
+        self.cfg = logging_cfg
+        self.name = name
+        self.is_main = accelerator.is_main_process
+        self.status = RunMonitor(folder.root, self.is_main, total=0)
+        self.metrics = MetricsWriter(folder.metrics, enabled=False)
+        self.throughput = Throughput(accelerator.num_processes)
+        self.timestep_stats = TimestepStats() if logging_cfg.debug_timesteps else None
+        self.sampler: Sampler | None = None
+        self.plan: TrainingPlan | None = None
+        self.smoothed_loss: torch.Tensor | None = None  # on the device, like the losses it follows
+        self.postfix_shown_at = 0.0
+        self.progress: tqdm | None = None
+
+    @property
+    def progress_enabled(self) -> bool:
+        return self.is_main and progress_bars_wanted()
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def started(self) -> None:
+        """status.json says `running` from the start (main process)."""
+        self.status.started()
+
+    def planned(self, plan: TrainingPlan, step: int, resumed: bool, sampler: Sampler) -> None:
+        """The plan and the resumed step are known: status with them, the plan file for the report, stale control
+        requests dropped, metrics.jsonl cut back to the resumed step (a fresh start begins it empty), TensorBoard."""
+        self.plan, self.sampler = plan, sampler
+        self.status.status.total = plan.total_updates
+        self.status.planned = True
+        self.status.started(step)
+        if self.is_main:
+            write_json_atomic(self.folder.root / PLAN_FILE, plan.as_dict(), sort_keys=False)
+            dropped = self.status.drop_stale_requests()
+            if dropped:
+                log.warning("ignoring %d control request(s) left from before this run started", dropped)
+            truncate_after(self.folder.metrics, step if resumed else 0)
+        self.metrics = MetricsWriter(self.folder.metrics, enabled=self.is_main)
+        if self.cfg.tensorboard and self.is_main:
+            self.accelerator.init_trackers(self.name)
+
+    def open_progress(self, step: int) -> None:
+        self.progress = tqdm(total=self.plan.total_updates, initial=step, desc="train", unit="step",
+                             disable=not self.progress_enabled)
+        self.throughput.restart()
+
+    def ended(self, state: str, step: int | None, error: str | None = None) -> None:
+        """How the run ended; `step` None keeps the folder's last known step (a failure before the plan)."""
+        self.status.ended(state, step, error)
+
+    def failed(self, error: BaseException, step: int) -> None:
+        self.ended("failed", step if self.status.planned else None, f"{type(error).__name__}: {error}")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        self.metrics.close()
+        # not accelerator.end_training(): it also destroys the process group a next job of the launch needs
+        for tracker in getattr(self.accelerator, "trackers", []):
+            tracker.finish()
+
+    # ---- per update ----------------------------------------------------------------------------------
+
+    def after_update(self, update: UpdateValues, readings) -> None:
+        """The metrics line of a logged update (and the progress bar at most once a second): the only reads of
+        device values. `readings()` gives the optimizer's own figures (LR it used, update RMS) for that line."""
+        loss = update.loss
+        self.smoothed_loss = loss if self.smoothed_loss is None else self.smoothed_loss + 0.1 * (loss - self.smoothed_loss)
+        logged = update.step % self.cfg.log_every == 0 or update.step == self.plan.total_updates
+        postfix_due = self.progress_enabled and time.monotonic() - self.postfix_shown_at >= 1.0
+        if logged or postfix_due:
+            record = self.host_record(update, readings())
+            if logged:
+                self.log_record(record)
+            if postfix_due:
+                self.progress.set_postfix(loss=f"{record['smoothed_loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                          s_it=f"{record['time']:.2f}", refresh=False)
+                self.postfix_shown_at = time.monotonic()
+        if self.progress is not None:
+            self.progress.update(1)
+        self.status.heartbeat(update.step)
+
+    def host_record(self, update: UpdateValues, readings: dict) -> dict:
+        """The update's values on the host (one transfer, which waits for the device), with the LR it used and
+        the throughput since the last logged update."""
+        values = torch.cat([update.values, self.smoothed_loss.float().reshape(1)]).tolist()
+        record = {"step": update.step, "epoch": update.epoch, **dict(zip(update.names, values[:-1]))}
+        record["smoothed_loss"] = values[-1]
+        record.update(readings)
+        return record | self.throughput.read()
+
+    def log_record(self, record: dict) -> None:
+        """A metrics.jsonl line (and TensorBoard scalars); the throughput window restarts here."""
+        record = {k: v for k, v in record.items() if k != "smoothed_loss"}
+        if self.timestep_stats is not None:
+            record.update(self.timestep_stats.flush())
+        record.update(memory_fields())
+        self.metrics.write(record)
+        if self.cfg.tensorboard:
+            self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+        self.throughput.restart()
+
+    def decide(self, stop_signal: bool) -> Decision:
+        """Once per update on every process (collective): a stop signal on any process and the control requests
+        the main process found become one decision everywhere."""
+        wanted = self.status.take_requests()
+        flags = [stop_signal or wanted["stop"], wanted["save"], wanted["sample"]]
+        if self.accelerator.num_processes > 1:
+            # host flags over the host (gloo) group: nothing here waits for the accelerator's queued work
+            tensor = torch.tensor(flags, dtype=torch.int32)
+            torch.distributed.all_reduce(tensor, group=self.host_group)
+            flags = [value > 0 for value in tensor.tolist()]
+        return Decision(*flags)
+
+    def acknowledge(self) -> None:
+        """The requests of the last decision were acted on: their files go."""
+        self.status.acknowledge()
+
+    # ---- outputs -------------------------------------------------------------------------------------
+
+    def sample(self, step: int) -> None:
+        """Sample images (main process), then the report; every process waits. Not training time."""
+        if self.sampler is not None and self.sampler.enabled:
+            if self.sampler.render(step, self.progress_enabled):
+                self.write_report()
+            self.accelerator.wait_for_everyone()
+        self.throughput.restart()
+
+    def write_report(self) -> None:
+        """The report is a convenience: failing to write it (a full disk, a concurrent --report) is logged, never
+        the end of the training run."""
+        if not self.is_main:
+            return
+        try:
+            write_report(self.folder.root)
+        except OSError as error:
+            log.warning("could not write %s/report.html: %s", self.folder.root, error)

@@ -1,0 +1,137 @@
+"""Sample images during training, rendered through the model family's own diffusers pipeline."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from PIL.PngImagePlugin import PngInfo
+from tqdm.auto import tqdm
+
+from toolkit.config.sections import SampleConfig
+from toolkit.data.captions import apply_trigger
+from toolkit.device import ModulePlacement, flush, memory_debug, modules_on
+from toolkit.files import write_atomic
+from toolkit.models.base import ModelAdapter
+
+
+class SampleRenderer:
+    """Renders `sample.prompts` with fixed seeds to `samples/step_XXXXXXXXX_<i>.png`."""
+
+    def __init__(self, cfg: SampleConfig, trigger_word: str | None, folder: Path, model_name: str):
+        self.cfg = cfg
+        self.folder = folder
+        self.model_name = model_name
+        self.prompts = [apply_trigger(p, trigger_word, is_reg=False) if "[trigger]" in p else p for p in cfg.prompts]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prompts)
+
+    def check_size(self, divisor: int) -> None:
+        for key in ("width", "height"):
+            value = getattr(self.cfg, key)
+            if value % divisor:
+                raise ValueError(f"sample.{key} ({value}) must be a multiple of {divisor} for this model")
+
+    def seed_for(self, index: int) -> int:
+        return self.cfg.seed + index if self.cfg.walk_seed else self.cfg.seed
+
+    @torch.no_grad()
+    def conditioning(self, adapter: ModelAdapter) -> list[dict | None]:
+        """Each prompt's precomputed conditioning where the family offers it (see ModelAdapter)."""
+        return [adapter.sampling.conditioning(prompt, self.cfg.neg) for prompt in self.prompts]
+
+    @torch.no_grad()
+    def render(self, adapter: ModelAdapter, step: int, progress: bool = False,
+               conditioning: list[dict | None] | None = None) -> list[Path]:
+        pipe = adapter.sampling.pipeline()
+        pipe.set_progress_bar_config(disable=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        written = []
+        for index, prompt in enumerate(tqdm(self.prompts, desc="sampling", unit="image", leave=False,
+                                            disable=not progress)):
+            seed = self.seed_for(index)
+            given = conditioning[index] if conditioning else None
+            text = given if given is not None else {"prompt": prompt, "negative_prompt": self.cfg.neg or None}
+            image = pipe(
+                **text,
+                num_inference_steps=self.cfg.sample_steps,
+                guidance_scale=adapter.sampling.default_guidance_scale if self.cfg.guidance_scale is None
+                else self.cfg.guidance_scale,
+                width=self.cfg.width,
+                height=self.cfg.height,
+                generator=torch.Generator(device="cpu").manual_seed(seed),
+            ).images[0]
+            info = PngInfo()
+            for key, value in {"prompt": prompt, "negative_prompt": self.cfg.neg, "seed": seed, "step": step,
+                               "model": self.model_name}.items():
+                info.add_text(key, str(value))
+            path = self.folder / f"step_{step:09d}_{index}.png"
+            write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+            written.append(path)
+        return written
+
+
+class Sampler:
+    """The samples part of a run: renders `sample.prompts` on the main process with the encoders and sample-only
+    models brought to the accelerator just for that (an offloaded text encoder visits alone, first, and has left
+    again before the sampling model arrives), the trained module in eval mode, and the global RNG untouched."""
+
+    def __init__(self, renderer: SampleRenderer, adapter: ModelAdapter, placement: ModulePlacement,
+                 trained_module: torch.nn.Module, mirrors: list, is_main: bool, debug_memory: bool = False):
+        self.renderer = renderer
+        self.adapter = adapter
+        self.placement = placement
+        self.trained_module = trained_module
+        self.mirrors = mirrors
+        self.is_main = is_main
+        self.debug_memory = debug_memory
+
+    @property
+    def enabled(self) -> bool:
+        return self.renderer.enabled
+
+    def render(self, step: int, progress: bool = False) -> list[Path]:
+        """Main process only (the caller keeps the other processes waiting)."""
+        if not (self.enabled and self.is_main):
+            return []
+        device = self.placement.device
+        self.trained_module.eval()
+        try:
+            # fork_rng: whatever a pipeline draws from the global RNG is not taken from training's stream
+            with memory_debug("sampling", self.debug_memory), torch.random.fork_rng(devices=cuda_devices(device)):
+                conditioning = self.conditioning()
+                with modules_on(self.modules_for(conditioning), device, while_moving=self.mirrors_detached):
+                    return self.renderer.render(self.adapter, step, progress, conditioning)
+        finally:
+            self.trained_module.train()
+            flush()
+
+    def conditioning(self) -> list[dict | None]:
+        """The prompts' conditioning, computed first where the family can, with an offloaded text encoder
+        visiting alone."""
+        text_encoders = [m for m in self.adapter.text_encoder_modules() if self.placement.is_offloaded(m)]
+        with modules_on(text_encoders, self.placement.device):
+            return self.renderer.conditioning(self.adapter)
+
+    def modules_for(self, conditioning: list[dict | None]) -> list[torch.nn.Module]:
+        """What rendering needs on the accelerator: the offloaded modules (minus the text encoders when the
+        prompts are already encoded) and the sample-only models."""
+        encoded = all(c is not None for c in conditioning)
+        text_encoders = self.adapter.text_encoder_modules()
+        needed = [m for m in self.placement.offloaded if not (encoded and any(m is t for t in text_encoders))]
+        return needed + self.adapter.sampling.only_modules()
+
+    @contextmanager
+    def mirrors_detached(self):
+        """While models that share the trained LoRA move, the LoRA stays where training keeps it."""
+        with ExitStack() as stack:
+            for mirror in self.mirrors:
+                stack.enter_context(mirror.detached())
+            yield
+
+
+def cuda_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []

@@ -1,0 +1,155 @@
+"""The training objective of one micro-batch: noise the latents at sampled timesteps and regress the family's
+target, with the loss options of `train` (timestep samplers, min-SNR, noise offset, blank-prompt preservation,
+differential guidance). Handed to the trainer as a part, so another objective is another object, not another
+trainer class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.config.sections import ObjectiveSection
+from toolkit.device import to_device
+from toolkit.diffusion.noise import noise_offset
+from toolkit.diffusion.snr import min_snr_weights
+from toolkit.diffusion.timestep_params import TimestepParams
+from toolkit.diffusion.timesteps import sample_timestep_u
+from toolkit.errors import UserError
+from toolkit.models.base import LatentDist, ModelAdapter, PromptEmbeds
+from toolkit.train.losses import mse_loss, per_sample_loss, weighted_mean
+from toolkit.train.seeding import seeded_generator
+
+
+@dataclass
+class StepDraw:
+    """Where a micro-batch sits in training: every draw is a pure function of (seed, purpose, epoch, micro-batch,
+    rank), and the schedule-dependent ones of the update index and progress."""
+
+    epoch: int
+    micro_batch: int
+    rank: int
+    update_index: int
+    progress: float
+
+
+@dataclass
+class LossResult:
+    """The loss to optimise, its named parts (logged), and each sample's u and loss (timestep statistics)."""
+
+    loss: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    u: torch.Tensor
+    per_sample: torch.Tensor
+
+
+class DiffusionObjective:
+    def __init__(self, section: ObjectiveSection, seed: int, adapter: ModelAdapter,
+                 blank_embeds: PromptEmbeds | None = None):
+        self.cfg = section
+        self.seed = seed
+        self.adapter = adapter
+        self.blank_embeds = blank_embeds
+        self.timestep_params = TimestepParams(**section.timestep_params.model_dump())
+        if section.blank_prompt_preservation and blank_embeds is None:
+            raise ValueError("blank-prompt preservation needs the blank prompt's embeddings")
+        if (section.timestep_type == "shift" and self.timestep_params.dynamic_shift
+                and adapter.noise_schedule.shift_schedule is None):
+            # known only from the loaded scheduler's config (Z-Image ships with dynamic shifting off)
+            raise UserError(f"train.timestep_params.dynamic_shift: the {adapter.arch} scheduler defines no "
+                            "base/max shift; set timestep_params.shift instead")
+
+    def loss(self, batch: dict, embeds: PromptEmbeds, at: StepDraw) -> LossResult:
+        cfg, schedule = self.cfg, self.adapter.noise_schedule
+
+        def draws(purpose: str) -> torch.Generator:
+            return seeded_generator(self.seed, purpose, at.epoch, at.micro_batch, at.rank)
+
+        latents = self.batch_latents(batch, draws("latent_sample"))
+        # drawn on the host (the same numbers on every device type), sent without waiting for the device
+        noise = to_device(noise_offset(torch.randn(latents.shape, generator=draws("noise")), cfg.noise_offset,
+                                       draws("noise_offset")), latents.device)
+        u, sampler_weight = self.draw_timesteps(latents, draws("timestep"), at)
+        timesteps = to_device(schedule.timesteps(u), latents.device)
+        noisy = schedule.add_noise(latents, noise, timesteps)
+        with_blank = self.blank_prompt_due(at.update_index)
+        prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank)
+        target = schedule.target(latents, noise, timesteps)
+        if cfg.differential_guidance_scale is not None:
+            anchor = prediction.detach()
+            target = anchor + cfg.differential_guidance_scale * (target - anchor)
+        per_sample = per_sample_loss(prediction, target, cfg.loss_type, cfg.huber_c)
+        snr_weight = None
+        if cfg.min_snr_gamma is not None:
+            snr_weight = min_snr_weights(schedule.snr(timesteps), cfg.min_snr_gamma, schedule.prediction_type)
+        loss = weighted_mean(per_sample, sampler_weight, snr_weight)
+        parts = {"loss_diff_guidance" if cfg.differential_guidance_scale else "loss_main": loss.detach()}
+        if with_blank:
+            bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction)
+            loss = loss + cfg.blank_prompt_preservation_multiplier * bpp
+            parts["loss_bpp"] = bpp.detach()
+        return LossResult(loss, parts, u, per_sample)
+
+    def draw_timesteps(self, latents: torch.Tensor, generator: torch.Generator, at: StepDraw):
+        """u per sample (and the sampler's loss weight, if any) for this update's place in training."""
+        cfg, schedule = self.cfg, self.adapter.noise_schedule
+        return sample_timestep_u(
+            cfg.timestep_type, self.timestep_params, latents.shape[0], generator,
+            content_or_style=cfg.content_or_style, timestep_range=cfg.timestep_range, progress=at.progress,
+            update_index=at.update_index, image_seq_len=schedule.image_seq_len(latents),
+            shift_schedule=schedule.shift_schedule,
+        )
+
+    def blank_prompt_due(self, update_index: int) -> bool:
+        """Whether this update computes the blank-prompt term: a pure function of (seed, update)."""
+        if not self.cfg.blank_prompt_preservation:
+            return False
+        draw = torch.rand((), generator=seeded_generator(self.seed, "blank_prompt", update_index))
+        return draw.item() < self.cfg.blank_prompt_probability
+
+    def predict(self, noisy, timesteps, embeds: PromptEmbeds, with_blank: bool):
+        """The LoRA model's prediction; with the blank prompt too, in the same forward pass (one pass keeps
+        multi-process gradient sync simple and is faster than two)."""
+        if not with_blank:
+            return self.adapter.predict(noisy, timesteps, embeds), None
+        both = self.adapter.predict(torch.cat([noisy, noisy]), torch.cat([timesteps, timesteps]),
+                                    concat_embeds(embeds, self.blank_embeds, len(noisy)))
+        return both[: len(noisy)], both[len(noisy):]
+
+    def blank_prompt_loss(self, noisy, timesteps, blank_prediction) -> torch.Tensor:
+        """MSE between the LoRA model's and the base model's predictions for the blank prompt. The base pass is the
+        base model's own prediction: adapters off, no dropout (eval mode), and it draws nothing from the global
+        RNG streams training uses (they are forked around it)."""
+        module = self.adapter.trainable_module()
+        blank = concat_embeds(self.blank_embeds, None, len(noisy))
+        devices = [noisy.device.index or 0] if noisy.device.type == "cuda" else []
+        was_training = module.training
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            module.disable_adapters()
+            module.eval()
+            try:
+                base = self.adapter.predict(noisy, timesteps, blank, module=module)
+            finally:
+                module.train(was_training)
+                module.enable_adapters()
+        return mse_loss(blank_prediction, base)
+
+    def batch_latents(self, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        """Latents drawn from the cached encoder output, or from encoding the batch's pixels now."""
+        if "latent_mean" in batch:
+            dist = LatentDist(batch["latent_mean"], batch.get("latent_std"))
+            return self.adapter.latents_from_dist(dist, generator)
+        return self.adapter.encode_images(batch["pixels"], generator)
+
+
+def concat_embeds(embeds: PromptEmbeds, blank: PromptEmbeds | None, batch: int) -> PromptEmbeds:
+    """`embeds` (one row is repeated to `batch` rows) followed by `blank` repeated to `batch` rows."""
+    parts = [embeds] if blank is None else [embeds, blank]
+
+    def rows(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return tensor.expand(batch, *tensor.shape[1:]) if tensor is not None and tensor.shape[0] == 1 else tensor
+
+    device = embeds.embeds.device
+    masks = [rows(p.attention_mask) for p in parts]  # host tensors (see PromptEmbeds)
+    mask = torch.cat(masks) if all(m is not None for m in masks) else None
+    return PromptEmbeds(torch.cat([rows(p.embeds).to(device) for p in parts]), mask)
