@@ -7,6 +7,7 @@ one; whichever rename comes last wins, and each of them is a whole file.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -21,11 +22,23 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
+        # some writers (safetensors) create their files private to the owner: every file of a run gets the
+        # permissions a newly created file has here (the umask's)
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+@functools.cache
+def new_file_mode() -> int:
+    """rw for whom the process umask allows (0644 under the usual umask 022). Read once: the umask can only be
+    read by setting it."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_text_atomic(path: Path, text: str) -> Path:

@@ -9,8 +9,8 @@ micro-batches between them.
 
 from __future__ import annotations
 
-import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
 from toolkit.network.files import load_pretrained, write_comfy_file
 from toolkit.network.lora import add_lora, lora_state_dict, mirror_lora, write_lora_file
+from toolkit.network.metadata import TrainingFacts, lora_metadata, tag_frequency
 from toolkit.paths import normalize_path
 from toolkit.run.accelerator import RunAccelerator
 from toolkit.run.checkpoint import Checkpoints, TrainedParts
@@ -354,28 +355,47 @@ class BaseSDTrainProcess(BaseProcess):
         self.monitor.ended("finished", self.position.global_step)
 
     def lora_metadata(self, step: int) -> dict[str, str]:
-        facts = self.adapter.describe()
-        return {
-            "difftune_config": json.dumps(self.config.model_dump(mode="json"), sort_keys=True),
-            "difftune_name": self.job.name,
-            "difftune_step": str(step),
-            "difftune_arch": facts["arch"],
-            "difftune_base_model": facts.get("base_model", ""),
-        }
+        """A checkpoint's LoRA header: the full config (a checkpoint is the run's own memory, not for sharing)."""
+        return lora_metadata(self.training_facts(step), level="full")
+
+    def training_facts(self, step: int) -> TrainingFacts:
+        """What the LoRA files' metadata says about this run (toolkit.network.metadata)."""
+        cfg, adapter, data = self.config, self.adapter, self.data
+        described = adapter.describe()
+        records = {(item.dataset, item.record.path): item.record for item in data.dataset.items}
+        per_dataset = [[r for (index, _), r in records.items() if index == i] for i in range(len(cfg.datasets))]
+        images = [(len(per_dataset[i]) * d.num_repeats, d.is_reg) for i, d in enumerate(cfg.datasets)]
+        return TrainingFacts(
+            name=self.job.name, arch=adapter.arch, base_model=described.get("base_model", cfg.model.name_or_path),
+            network_type=cfg.network.type, rank=cfg.network.linear, alpha=cfg.network.linear_alpha,
+            conv_rank=cfg.network.conv, conv_alpha=cfg.network.conv_alpha, use_dora=cfg.network.use_dora,
+            kohya_base_model=adapter.files.kohya_base_model,
+            modelspec_architecture=adapter.files.modelspec_architecture,
+            prediction_type=adapter.noise_schedule.prediction_type,
+            resolution=max(max(d.resolution) for d in cfg.datasets),
+            num_train_images=sum(n for n, reg in images if not reg), num_reg_images=sum(n for n, reg in images if reg),
+            num_epochs=self.plan.epochs, epoch=min(self.position.epoch + 1, self.plan.epochs) if step else 0,
+            steps=step, learning_rate=cfg.train.lr,
+            tag_frequency=tag_frequency((Path(d.folder_path).name, [r.caption for r in per_dataset[i]])
+                                        for i, d in enumerate(cfg.datasets)),
+            started_at=self.checkpoints.started_at, finished_at=time.time(), trigger_word=cfg.trigger_word,
+            config=cfg.model_dump(mode="json"),
+        )
 
     def write_final_loras(self) -> None:
-        """The finished LoRA in every format `save.formats` asks for."""
+        """The finished LoRA in every format `save.formats` asks for, with the metadata `save.metadata` asks for."""
         dtype = DTYPES[self.config.save.dtype]
         files, module = self.adapter.files, self.adapter.trainable_module()
         formats = self.config.save.formats or files.default_formats
         if self.config.network.use_dora and not self.config.save.formats:
             formats = [f for f in formats if f != "comfy"]  # no ComfyUI form of DoRA yet
-        metadata = self.lora_metadata(self.position.global_step)
+        metadata = lora_metadata(self.training_facts(self.position.global_step), self.config.save.metadata)
+        hashes = self.config.save.metadata != "minimal"
         if "diffusers" in formats:
             path = self.folder.final_lora
-            write_lora_file(path, lora_state_dict(module, files.prefix, dtype), metadata, module, files.prefix)
+            write_lora_file(path, lora_state_dict(module, files.prefix, dtype), metadata, module, files.prefix, hashes)
             log.info("saved LoRA %s", path)
         if "comfy" in formats:
             path = self.folder.final_lora.with_suffix(".comfy.safetensors")
-            write_comfy_file(path, module, files, dtype, metadata, self.config.network.type)
+            write_comfy_file(path, module, files, dtype, metadata, hashes)
             log.info("saved LoRA %s (ComfyUI/kohya keys)", path)

@@ -74,6 +74,11 @@ class SaveConfig(Section):
         description="Final LoRA files: `diffusers` (<name>.safetensors, diffusers/peft keys) and `comfy` "
         "(<name>.comfy.safetensors, ComfyUI/kohya keys with alphas, for ComfyUI and A1111/Forge). Default: both "
         "where the family has a ComfyUI form (sd15, zimage), else diffusers.")
+    metadata: Literal["private", "full", "minimal"] = Field(
+        "private", description="What the final LoRA files' headers say. `private`: kohya's `ss_*` keys and hashes, "
+        "the model spec and the job config with every local path reduced to its last component (hub ids stay; no "
+        "home folder). `full`: the same with the config verbatim, for private use. `minimal`: only what loading "
+        "needs. Checkpoints always keep the full config.")
     max_step_saves_to_keep: int = Field(4, ge=1, description="Complete step checkpoints kept; older ones are "
                                         "pruned after a newer one is complete.",
                                         json_schema_extra=aka("save_last_n_steps", "checkpoints_total_limit"))

@@ -60,6 +60,8 @@ class LoraFileFormat:
     kohya_base_model: str = ""
     #: `save.formats` when the config leaves it unset
     default_formats: tuple[str, ...] = ("diffusers", "comfy")
+    #: `modelspec.architecture` of the family's LoRA files (Stability AI's model spec, as kohya writes it)
+    modelspec_architecture: str = ""
 
 
 class TextRules:

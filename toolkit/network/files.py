@@ -24,7 +24,6 @@ from toolkit.network.formats import (
     FROM_COMFY,
     from_comfy,
     is_comfy_form,
-    kohya_metadata,
     split_weight_key,
     to_comfy,
 )
@@ -176,17 +175,14 @@ def load_pretrained(module: torch.nn.Module, path: Path, files: LoraFileFormat) 
 
 
 def write_comfy_file(path: Path, module: torch.nn.Module, files: LoraFileFormat, dtype: torch.dtype,
-                     metadata: dict[str, str], network_type: str) -> None:
-    """The ComfyUI/kohya form of the trained adapter, with alphas and kohya's header keys."""
-    prefix, comfy_prefix, separator, base_model = (files.prefix, files.comfy_prefix, files.comfy_separator,
-                                                   files.kohya_base_model)
+                     metadata: dict[str, str], kohya_hashes: bool = False) -> None:
+    """The ComfyUI/kohya form of the trained adapter, with alphas; `kohya_hashes` adds kohya's `sshs_*`."""
+    prefix, comfy_prefix, separator = files.prefix, files.comfy_prefix, files.comfy_separator
     weights, alphas = comfy_ready(lora_state_dict(module, prefix, torch.float32), prefix, module_scales(module))
     # weights in the save dtype; alphas stay float32 (0.1 in bf16 would read back as 0.10009766)
     state = {k: v if k.endswith(".alpha") else v.to(dtype)
              for k, v in to_comfy(weights, {prefix: comfy_prefix}, alphas.__getitem__, separator).items()}
-    config = module.peft_config["default"]
-    alpha = getattr(config, "lora_alpha", getattr(config, "alpha", None))
-    write_safetensors(path, state, {**metadata, **kohya_metadata(config.r, alpha, base_model, network_type)})
+    write_safetensors(path, state, metadata, kohya_hashes)
 
 
 def convert_file(source: Path, target: Path, to: str, files: LoraFileFormat, model_modules: list[str] | None) -> int:

@@ -80,13 +80,3 @@ def from_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], module_
 
 def is_comfy_form(state: dict[str, torch.Tensor], comfy_prefix: str, separator: str) -> bool:
     return any(key.startswith(comfy_prefix + separator) for key in state)
-
-
-def kohya_metadata(rank: int, alpha: float, base_model_version: str, network_type: str = "lora") -> dict[str, str]:
-    """The header keys tools that read kohya metadata look for."""
-    module = "networks.lora" if network_type == "lora" else "lycoris.kohya"
-    meta = {"ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
-            "ss_base_model_version": base_model_version, "ss_network_module": module}
-    if network_type != "lora":
-        meta["ss_network_args"] = f'{{"algo": "{network_type}"}}'
-    return meta

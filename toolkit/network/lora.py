@@ -133,14 +133,22 @@ def adapter_metadata(module: torch.nn.Module, prefix: str) -> str:
     return json.dumps(packed, indent=2, sort_keys=True, default=str)
 
 
-def write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write atomically (temporary name, then rename): a crash never leaves half a file."""
+def write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str],
+                      kohya_hashes: bool = False) -> None:
+    """Write atomically (temporary name, then rename): a crash never leaves half a file. `kohya_hashes` adds the
+    `sshs_*` hashes A1111/Forge index LoRAs by (of these exact tensors)."""
+    if kohya_hashes:
+        from toolkit.network.metadata import kohya_hashes as hashes
+
+        metadata = {**metadata, **hashes(state, metadata)}
     write_atomic(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt", **metadata}))
 
 
-def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str], module, prefix: str) -> None:
+def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str], module, prefix: str,
+                    kohya_hashes: bool = False) -> None:
     """A diffusers-format LoRA file, with the peft config in the header so alpha loads back."""
-    write_safetensors(path, state, {LORA_ADAPTER_METADATA_KEY: adapter_metadata(module, prefix), **metadata})
+    write_safetensors(path, state, {LORA_ADAPTER_METADATA_KEY: adapter_metadata(module, prefix), **metadata},
+                      kohya_hashes)
 
 
 def merge_lora_state(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str,

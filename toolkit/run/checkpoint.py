@@ -15,6 +15,7 @@ import math
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,8 @@ class TrainState:
     config: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
     ranks: list = field(default_factory=list)
+    #: when the run's first start began (unix time), carried across resumes; 0 in checkpoints that predate it
+    started_at: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -231,6 +234,8 @@ class Checkpoints:
         self.debug_memory = debug_memory
         #: the step of the newest checkpoint this run wrote or resumed from (-1: none)
         self.last_saved_step = -1
+        #: when training began: now, or the first run's start when resumed
+        self.started_at = time.time()
 
     # ---- save --------------------------------------------------------------------------------------
 
@@ -264,6 +269,7 @@ class Checkpoints:
             world_size=self.accelerator.num_processes, lr=lr, config_fingerprint=fingerprint(self.config),
             config=self.config, versions=library_versions(),
             ranks=gather_object([{"rank": rank, "global_step": position.global_step, "lr": lr}]),
+            started_at=self.started_at,
         )
 
     def write_payload(self, folder: Path, step: int) -> None:
@@ -297,6 +303,7 @@ class Checkpoints:
             log.warning("%s: no RNG state for rank %d; library randomness will differ", folder,
                         self.accelerator.process_index)
         self.last_saved_step = state.global_step
+        self.started_at = state.started_at or self.started_at
         for change in config_changes(state.config, self.config):
             log.info("changed since the checkpoint: %s", change)
         log.info("resuming from %s at step %d (epoch %d, micro-batch %d)", folder, state.global_step, position.epoch,

@@ -42,7 +42,8 @@ class SD15Sampling(SamplingParts):
 class SD15Adapter(ModelAdapter):
     arch = "sd15"
     facts = FACTS
-    files = LoraFileFormat(prefix="unet", comfy_prefix="lora_unet", kohya_base_model="sd_v1")
+    files = LoraFileFormat(prefix="unet", comfy_prefix="lora_unet", kohya_base_model="sd_v1",
+                           modelspec_architecture="stable-diffusion-v1/lora")
     text_rules = ClipTextRules
     sampling_parts = SD15Sampling
 

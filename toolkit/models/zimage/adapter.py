@@ -127,7 +127,7 @@ class ZImageAdapter(ModelAdapter):
     # (diffusion_model.layers.0.attention.to_q), not kohya's "_": ComfyUI has no `lora_unet_*_to_q` names for
     # Z-Image. kohya_base_model: ai-toolkit's base-model version for Z-Image.
     files = LoraFileFormat(prefix="transformer", comfy_prefix="diffusion_model", comfy_separator=".",
-                           kohya_base_model="zimage")
+                           kohya_base_model="zimage", modelspec_architecture="z-image/lora")
     text_rules = ZImageText
     sampling_parts = ZImageSampling
 
