@@ -5,7 +5,7 @@
     python run.py --control RUN_FOLDER stop|save|sample     # steer a running job
     python run.py --status RUN_FOLDER                       # running / stopped / finished / failed / crashed
     python run.py --report RUN_FOLDER                       # rebuild RUN_FOLDER/report.html
-    python run.py --convert-lora IN OUT --to comfy|diffusers [--arch ARCH] [--model NAME_OR_PATH]
+    python run.py --convert-lora IN OUT --to comfy|diffusers|peft [--arch ARCH] [--model NAME_OR_PATH]
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report", metavar="RUN_FOLDER", help="rebuild RUN_FOLDER/report.html from its files")
     parser.add_argument("--convert-lora", nargs=2, metavar=("IN", "OUT"),
                         help="rewrite an adapter file in the other form (effective deltas unchanged)")
-    parser.add_argument("--to", choices=["comfy", "diffusers"], help="--convert-lora: the form to write")
+    parser.add_argument("--to", choices=["comfy", "diffusers", "peft"],
+                        help="--convert-lora: the form to write (peft: a folder for PeftModel.from_pretrained)")
     parser.add_argument("--arch", help="--convert-lora: the model family, when the file's header does not say")
     parser.add_argument("--model", help="--convert-lora from kohya keys: the model whose module names resolve them "
                         "(default: the base model in the file's header)")
     args = parser.parse_args(argv)
     if args.convert_lora is not None and args.to is None:
-        parser.error("--convert-lora needs --to comfy or --to diffusers")
+        parser.error("--convert-lora needs --to comfy, --to diffusers or --to peft")
     tools = [name for name in ("control", "status", "report", "convert_lora") if getattr(args, name) is not None]
     if len(tools) > 1 or (tools and args.configs):
         parser.error("give job files, or one of --control / --status / --report / --convert-lora")
@@ -158,20 +159,21 @@ def report_user_error(err: Exception, args: argparse.Namespace) -> None:
 
 
 def convert_lora(args: argparse.Namespace) -> int:
-    """--convert-lora: the same conversion code as saving; kohya's flattened names are resolved against the
-    model's real module names (the model is loaded for that only)."""
+    """--convert-lora: the same conversion code as saving, between the ComfyUI/kohya form, the diffusers form and
+    a peft folder; kohya's flattened names are resolved against the model's real module names (the model is
+    loaded for that only)."""
     from toolkit.models.registry import get_adapter_class, model_config
-    from toolkit.network.files import convert_file, read_header
+    from toolkit.network.files import convert_file, is_comfy_file, read_header
 
     source, target = Path(args.convert_lora[0]), Path(args.convert_lora[1])
     try:
-        header = read_header(source)
+        header = {} if source.is_dir() else read_header(source)
         arch = args.arch or header.get("difftune_arch")
         if arch is None:
             raise ValueError(f"{source}: its header does not name the model family; give --arch")
         family = get_adapter_class(arch)
         names = None
-        if args.to == "diffusers" and family.files.comfy_separator == "_":
+        if family.files.comfy_separator == "_" and is_comfy_file(source, family.files):
             model = args.model or header.get("difftune_base_model")
             if not model:
                 raise ValueError(f"{source}: kohya names need the model's module names; give --model")

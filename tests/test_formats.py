@@ -22,7 +22,7 @@ PREFIXES = {"unet": "lora_unet"}
 def run_dir(tmp_path_factory, registry, tiny_sd15):
     tmp = tmp_path_factory.mktemp("formats")
     process = trainer_process(tmp, network={"linear": 4, "linear_alpha": 8},
-                              save={"dtype": "float32", "formats": ["diffusers", "comfy"]},
+                              save={"dtype": "float32", "formats": ["diffusers"]},
                               train={"steps": 6, "lr": 5e-3})
     config, path = load_config(str(write_job(tmp / "job.yaml", "fmt", process)), registry)
     get_job(config, path, registry).run()
@@ -30,8 +30,10 @@ def run_dir(tmp_path_factory, registry, tiny_sd15):
 
 
 @pytest.mark.slow
-def test_comfy_file_has_kohya_keys_alphas_and_metadata(run_dir):
-    with safe_open(str(run_dir / "fmt.comfy.safetensors"), "pt") as handle:
+def test_the_primary_file_has_kohya_keys_alphas_and_metadata(run_dir):
+    """<name>.safetensors of an SD 1.x run is the ComfyUI/kohya form; the diffusers form is the extra file."""
+    assert sorted(p.name for p in run_dir.glob("*.safetensors")) == ["fmt.diffusers.safetensors", "fmt.safetensors"]
+    with safe_open(str(run_dir / "fmt.safetensors"), "pt") as handle:
         keys, meta = list(handle.keys()), handle.metadata()
         alphas = [handle.get_tensor(k) for k in keys if k.endswith(".alpha")]
     assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
@@ -43,7 +45,7 @@ def test_comfy_file_has_kohya_keys_alphas_and_metadata(run_dir):
 
 @pytest.mark.slow
 def test_diffusers_comfy_diffusers_round_trip_is_exact(run_dir):
-    original = load_file(str(run_dir / "fmt.safetensors"))
+    original = load_file(str(run_dir / "fmt.diffusers.safetensors"))
     modules = sorted({k.rsplit(".lora.", 1)[0] for k in original})
     back, alphas = from_comfy(to_comfy(original, PREFIXES, lambda module: 8.0), PREFIXES, modules)
     assert back.keys() == original.keys()
@@ -61,9 +63,9 @@ def test_diffusers_loads_both_files_to_the_same_output(run_dir, tiny_sd15):
         return pipe("shp, a red circle", num_inference_steps=2, width=64, height=64, output_type="np",
                     generator=torch.Generator().manual_seed(0)).images
 
-    base, ours, comfy = render(None), render("fmt.safetensors"), render("fmt.comfy.safetensors")
+    base, ours, comfy = render(None), render("fmt.diffusers.safetensors"), render("fmt.safetensors")
     assert abs(ours - base).max() > 1e-3
-    assert abs(ours - comfy).max() < 1e-4
+    assert abs(ours - comfy).max() <= 1e-5
 
 
 @pytest.mark.slow
@@ -71,11 +73,11 @@ def test_diffusers_loads_both_files_of_a_conv_lora_alike(tmp_path, registry, tin
     """LoRA on the resnet and resampling convs too (LoCon): the ComfyUI/kohya file loads in diffusers to the
     same output as the diffusers file."""
     process = trainer_process(tmp_path, network={"linear": 4, "linear_alpha": 8, "conv": 2, "conv_alpha": 1},
-                              save={"dtype": "float32", "formats": ["diffusers", "comfy"]}, train={"steps": 6, "lr": 5e-3})
+                              save={"dtype": "float32", "formats": ["diffusers"]}, train={"steps": 6, "lr": 5e-3})
     config, path = load_config(str(write_job(tmp_path / "job.yaml", "loc", process)), registry)
     get_job(config, path, registry).run()
     folder = tmp_path / "output" / "loc"
-    with safe_open(str(folder / "loc.comfy.safetensors"), "pt") as handle:
+    with safe_open(str(folder / "loc.safetensors"), "pt") as handle:
         assert "lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight" in handle.keys()
 
     def render(weight_name):
@@ -85,4 +87,4 @@ def test_diffusers_loads_both_files_of_a_conv_lora_alike(tmp_path, registry, tin
         return pipe("shp, a red circle", num_inference_steps=2, width=64, height=64, output_type="np",
                     generator=torch.Generator().manual_seed(0)).images
 
-    assert abs(render("loc.safetensors") - render("loc.comfy.safetensors")).max() < 1e-4
+    assert abs(render("loc.diffusers.safetensors") - render("loc.safetensors")).max() <= 1e-5

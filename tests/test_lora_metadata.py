@@ -172,3 +172,57 @@ def test_a_finished_run_describes_itself_without_private_paths(tmp_path):
                            train={"steps": 1}, save={"metadata": "full"})
     assert run.main([str(write_job(tmp_path / "full.yaml", "full", full))]) == 0
     assert all(str(data) in meta["difftune_config"] for meta in headers(tmp_path / "output" / "full").values())
+
+
+@pytest.mark.slow
+def test_the_readme_loading_snippet_runs_as_written(tmp_path, monkeypatch, tiny_sd15):
+    """The README's diffusers snippet, unchanged, on a short quickstart run in the working directory."""
+    import re
+
+    import yaml
+    from helpers import QUICKSTART_DATA, REPO
+
+    job = yaml.safe_load((REPO / "config" / "examples" / "quickstart.yaml").read_text())
+    process = job["config"]["process"][0]
+    process["datasets"][0]["folder_path"] = str(QUICKSTART_DATA)
+    process["train"]["steps"] = 2
+    process["sample"]["prompts"] = []
+    (tmp_path / "quickstart.yaml").write_text(yaml.safe_dump(job))
+    monkeypatch.chdir(tmp_path)
+    assert run.main([str(tmp_path / "quickstart.yaml")]) == 0
+    snippets = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    loading = [code for code in snippets if "load_lora_weights" in code]
+    assert len(loading) == 1
+    exec(compile(loading[0], "README.md", "exec"), {})
+    assert (tmp_path / "quickstart_lora.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_training_sample_is_reproduced_in_diffusers_from_its_png_text(tmp_path, tiny_sd15):
+    """The PNG text names the pipeline, scheduler (and its config), steps, guidance, size and seed: with them and
+    the run's LoRA file, diffusers renders the same image."""
+    import diffusers
+    import numpy as np
+    from diffusers import StableDiffusionPipeline
+    from PIL import Image
+
+    process = trainer_process(tmp_path, train={"steps": 2}, save={"dtype": "float32"},
+                              sample={"prompts": ["[trigger], a red circle"], "sample_steps": 3, "width": 64,
+                                      "height": 64, "guidance_scale": 5.0, "seed": 7})
+    assert run.main([str(write_job(tmp_path / "job.yaml", "repro", process))]) == 0
+    run_dir = tmp_path / "output" / "repro"
+    png = Image.open(run_dir / "samples" / "step_000000002_0.png")
+    info = png.text
+    assert (info["pipeline"], info["scheduler"], info["num_inference_steps"], info["guidance_scale"]) == (
+        "StableDiffusionPipeline", "EulerDiscreteScheduler", "3", "5.0")
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15, safety_checker=None, requires_safety_checker=False)
+    pipe.scheduler = getattr(diffusers, info["scheduler"]).from_config(json.loads(info["scheduler_config"]))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(run_dir), weight_name="repro.safetensors")
+    again = pipe(info["prompt"], negative_prompt=info["negative_prompt"] or None,
+                 num_inference_steps=int(info["num_inference_steps"]), guidance_scale=float(info["guidance_scale"]),
+                 width=int(info["width"]), height=int(info["height"]),
+                 generator=torch.Generator("cpu").manual_seed(int(info["seed"]))).images[0]
+    difference = np.abs(np.asarray(again, dtype=np.int16) - np.asarray(png.convert("RGB"), dtype=np.int16))
+    assert difference.max() <= 1, (difference.mean(), difference.max())  # measured: identical on the CPU

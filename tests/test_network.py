@@ -3,12 +3,14 @@ weight deltas, whatever the alphas and ranks."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
 import torch
 from diffusers import UNet2DConditionModel, ZImageTransformer2DModel
 from helpers import trainer_process, write_job
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import run
@@ -18,7 +20,14 @@ from toolkit.config.schema import NetworkConfig
 from toolkit.models.sd15.adapter import SD15Adapter
 from toolkit.models.zimage.adapter import ZImageAdapter
 from toolkit.network.files import convert_file, load_pretrained
-from toolkit.network.lora import add_lora, effective_deltas, lora_state_dict, module_scales, write_lora_file
+from toolkit.network.lora import (
+    adapter_layers,
+    add_lora,
+    effective_deltas,
+    lora_state_dict,
+    module_scales,
+    write_lora_file,
+)
 
 FAMILIES = {
     "sd15": (SD15Adapter, lambda: UNet2DConditionModel.from_pretrained(sd15_folder(), subfolder="unet")),
@@ -131,7 +140,7 @@ def test_pretrained_lora_and_comfy_form_through_a_job(tmp_path, registry, tiny_s
     job = get_job(config, path, registry)
     job.run()
     trained = effective_deltas(job.processes[0].adapter.trainable_module())
-    comfy = tmp_path / "output" / "first" / "first.comfy.safetensors"
+    comfy = tmp_path / "output" / "first" / "first.safetensors"  # SD 1.x: the primary file is the ComfyUI form
     second = trainer_process(tmp_path, network={"type": "lokr", "linear": 4, "linear_alpha": 4, "conv": 2,
                                                 "pretrained_lora_path": str(comfy)}, train={"steps": 1})
     config, path = load_config(str(write_job(tmp_path / "second.yaml", "second", second)), registry)
@@ -152,7 +161,7 @@ def test_convert_lora_command(tmp_path, registry, tiny_sd15):
     job = get_job(config, path, registry)
     job.run()
     expected = effective_deltas(job.processes[0].adapter.trainable_module())
-    ours = tmp_path / "output" / "conv" / "conv.safetensors"
+    ours = tmp_path / "output" / "conv" / "conv.diffusers.safetensors"
     assert run.main(["--convert-lora", str(ours), str(tmp_path / "c.safetensors"), "--to", "comfy"]) == 0
     assert run.main(["--convert-lora", str(tmp_path / "c.safetensors"), str(tmp_path / "d.safetensors"),
                      "--to", "diffusers", "--arch", "sd15", "--model", str(tiny_sd15)]) == 0
@@ -181,10 +190,43 @@ def test_dora_round_trips_in_the_diffusers_file(tmp_path, tiny_cache):
     assert magnitudes and all(torch.equal(fresh.get_parameter(n), module.get_parameter(n)) for n in magnitudes)
 
 
-def test_dora_with_an_explicit_comfy_format_is_a_config_error(tmp_path, registry):
-    process = trainer_process(tmp_path, network={"use_dora": True}, save={"formats": ["comfy"]})
-    with pytest.raises(Exception, match="no DoRA form"):
-        load_config(str(write_job(tmp_path / "job.yaml", "d", process)), registry)
+def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each adapted layer's weight with the adapter merged in (peft's merge: DoRA's magnitude included)."""
+    merged = copy.deepcopy(module)
+    out = {}
+    for name, layer in adapter_layers(merged).items():
+        layer.merge()
+        out[name] = layer.get_base_layer().weight.detach().clone()
+    return out
+
+
+def test_dora_comfy_form_round_trips_through_convert_lora(tmp_path, tiny_cache):
+    """DoRA (linear and conv layers) -> the ComfyUI form (lora_down/up, alpha, output-axis dora_scale) -> back:
+    the same effective weights."""
+    network = NetworkConfig(linear=4, linear_alpha=2, conv=2, conv_alpha=1, use_dora=True)
+    family, module = adapted("sd15", network)
+    ours = tmp_path / "dora.diffusers.safetensors"
+    write_lora_file(ours, lora_state_dict(module, "unet", torch.float32), {"difftune_arch": "sd15"}, module, "unet")
+    comfy, back = tmp_path / "dora.safetensors", tmp_path / "back.safetensors"
+    assert run.main(["--convert-lora", str(ours), str(comfy), "--to", "comfy"]) == 0
+    with safe_open(str(comfy), "pt") as handle:
+        scales = {k: handle.get_tensor(k).shape for k in handle.keys() if k.endswith(".dora_scale")}
+    assert scales["lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.dora_scale"] == (32, 1)
+    assert scales["lora_unet_down_blocks_0_resnets_0_conv1.dora_scale"] == (32, 1, 1, 1)
+    assert run.main(["--convert-lora", str(comfy), str(back), "--to", "diffusers", "--arch", "sd15",
+                     "--model", str(sd15_folder())]) == 0
+    _, fresh = adapted("sd15", network, seed=None)
+    load_pretrained(fresh, back, family.files)
+    expected, found = merged_weights(module), merged_weights(fresh)
+    assert expected.keys() == found.keys() and expected
+    assert max((expected[n] - found[n]).abs().max().item() for n in expected) <= 1e-6
+
+
+def test_a_dora_scale_per_input_column_is_refused_by_name():
+    from toolkit.network.formats import dora_magnitude
+
+    with pytest.raises(ValueError, match="per input column"):
+        dora_magnitude(torch.ones(1, 8))
 
 
 def test_peft_named_diffusers_files_load_too(tmp_path, tiny_cache):
@@ -214,3 +256,54 @@ def test_lokr_module_dropout_trains_on_two_processes(tmp_path, tiny_sd15):
     result = launch(write_job(tmp_path / "job.yaml", "drop", process), 2, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "output" / "drop" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("network", [NetworkConfig(linear=4, linear_alpha=2, conv=2),
+                                     NetworkConfig(linear=4, linear_alpha=8, use_dora=True)], ids=["locon", "dora"])
+def test_the_peft_folder_loads_with_peft_to_the_same_outputs(tmp_path, tiny_cache, network):
+    from peft import PeftModel
+
+    from toolkit.network.lora import write_peft_folder
+
+    _, module = adapted("sd15", network)
+    folder = tmp_path / "mine_peft"
+    write_peft_folder(folder, module)
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = FAMILIES["sd15"][1]()
+    loaded = PeftModel.from_pretrained(base, str(folder))
+    generator = torch.Generator().manual_seed(0)
+    sample, hidden = torch.randn(1, 4, 16, 16, generator=generator), torch.randn(1, 77, 32, generator=generator)
+    plain = FAMILIES["sd15"][1]()
+    with torch.no_grad():
+        ours = module(sample, 500, encoder_hidden_states=hidden).sample
+        theirs = loaded(sample, 500, encoder_hidden_states=hidden).sample
+        without = plain(sample, 500, encoder_hidden_states=hidden).sample
+    assert (ours - theirs).abs().max() <= 1e-5
+    assert (ours - without).abs().max() > 1e-4  # the adapter acts
+
+
+@pytest.mark.slow
+def test_convert_lora_reaches_every_form_and_back(tmp_path, tiny_cache):
+    """diffusers file -> peft folder -> ComfyUI file -> diffusers file, by the command line: the same effective
+    weights (DoRA magnitudes included) all the way, and the peft folder loads with peft."""
+    from peft import PeftModel
+
+    network = NetworkConfig(linear=4, linear_alpha=2, use_dora=True)
+    family, module = adapted("sd15", network)
+    start = tmp_path / "start.safetensors"
+    write_lora_file(start, lora_state_dict(module, "unet", torch.float32), {}, module, "unet")
+    peft_folder, comfy, back = tmp_path / "as_peft", tmp_path / "comfy.safetensors", tmp_path / "back.safetensors"
+    assert run.main(["--convert-lora", str(start), str(peft_folder), "--to", "peft", "--arch", "sd15"]) == 0
+    assert run.main(["--convert-lora", str(peft_folder), str(comfy), "--to", "comfy", "--arch", "sd15"]) == 0
+    assert run.main(["--convert-lora", str(comfy), str(back), "--to", "diffusers", "--arch", "sd15",
+                     "--model", str(sd15_folder())]) == 0
+    _, fresh = adapted("sd15", network, seed=None)
+    load_pretrained(fresh, back, family.files)
+    expected, found = merged_weights(module), merged_weights(fresh)
+    assert max((expected[n] - found[n]).abs().max().item() for n in expected) <= 1e-6
+    loaded = PeftModel.from_pretrained(FAMILIES["sd15"][1](), str(peft_folder))
+    generator = torch.Generator().manual_seed(0)
+    sample, hidden = torch.randn(1, 4, 16, 16, generator=generator), torch.randn(1, 77, 32, generator=generator)
+    with torch.no_grad():
+        assert (module(sample, 500, encoder_hidden_states=hidden).sample
+                - loaded(sample, 500, encoder_hidden_states=hidden).sample).abs().max() <= 1e-5

@@ -27,7 +27,7 @@ def trained(tmp_path_factory, registry, tiny_sd15):
         tmp,
         network={"linear": 4, "linear_alpha": 8},
         train={"steps": UPDATES, "lr": 2e-3, "batch_size": 2},
-        save={"save_every": 25, "max_step_saves_to_keep": 2, "dtype": "float32"},
+        save={"save_every": 25, "max_step_saves_to_keep": 2, "dtype": "float32", "formats": ["diffusers"]},
         sample={"sample_every": 30, "prompts": ["[trigger], a red circle"], "sample_steps": 2,
                 "width": 64, "height": 64},
     )
@@ -41,7 +41,7 @@ def trained(tmp_path_factory, registry, tiny_sd15):
 def test_outputs_follow_the_documented_layout(trained):
     _, run_dir = trained
     assert (run_dir / "config.yaml").is_file()
-    assert (run_dir / "e2e.safetensors").is_file()
+    assert (run_dir / "e2e.safetensors").is_file() and (run_dir / "e2e.diffusers.safetensors").is_file()
     # steps 25 and 50 saved by save_every, 60 at the end; two kept
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000050", "step_000000060"]
     last = run_dir / "checkpoints" / "step_000000060"
@@ -78,7 +78,7 @@ def test_metrics_have_one_line_per_update(trained):
 @pytest.mark.slow
 def test_lora_header_carries_config_and_peft_metadata(trained):
     _, run_dir = trained
-    with safe_open(str(run_dir / "e2e.safetensors"), "pt") as handle:
+    with safe_open(str(run_dir / "e2e.diffusers.safetensors"), "pt") as handle:
         meta = handle.metadata()
         keys = list(handle.keys())
     assert json.loads(meta["difftune_config"])["network"]["linear_alpha"] == 8

@@ -55,6 +55,7 @@ def trained(tmp_path_factory, registry):
     process = zimage_process(
         tmp,
         network={"linear": 4, "linear_alpha": 8},
+        save={"formats": ["diffusers"]},
         train={"steps": UPDATES, "lr": 3e-3, "batch_size": 2, "cache_text_embeddings": True,
                "timestep_type": "shift"},
         sample={"sample_every": 20, "prompts": ["[trigger], a red circle"], "sample_steps": 2,
@@ -154,23 +155,27 @@ def test_lora_lowers_the_held_out_loss_and_loads_in_diffusers(trained):
         module.enable_adapters()
     assert after < before * 0.95, (before, after)
 
-    # the unquantized base in diffusers, with each of the two files: the same output, and the LoRA acts
+    # the unquantized base in diffusers, with the primary file (ComfyUI form) and the diffusers form: the same
+    # output, and the LoRA acts
     pipe = ZImagePipeline.from_pretrained(ZImageAdapter.resolve_source("tiny"))
     pipe.set_progress_bar_config(disable=True)
     base = held_out_loss(adapter, pipe.transformer, pixels, captions)
-    outputs = []
-    for name in ("zimage.safetensors", "zimage.comfy.safetensors"):
-        pipe.load_lora_weights(str(run_dir), weight_name=name, adapter_name=name.split(".")[1])
-        pipe.set_adapters([name.split(".")[1]])
-        outputs.append(held_out_loss(adapter, pipe.transformer, pixels, captions))
-    assert outputs[0] == pytest.approx(outputs[1], rel=1e-5)
-    assert outputs[0] < base * 0.95, (base, outputs[0])
+    losses, images = [], []
+    for name, adapter_name in (("zimage.safetensors", "primary"), ("zimage.diffusers.safetensors", "diffusers")):
+        pipe.load_lora_weights(str(run_dir), weight_name=name, adapter_name=adapter_name)
+        pipe.set_adapters([adapter_name])
+        losses.append(held_out_loss(adapter, pipe.transformer, pixels, captions))
+        images.append(pipe("a red circle", num_inference_steps=2, guidance_scale=0.0, width=64, height=64,
+                           output_type="np", generator=torch.Generator().manual_seed(0)).images)
+    assert abs(images[0] - images[1]).max() <= 1e-5
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert losses[0] < base * 0.95, (base, losses[0])
 
 
 @pytest.mark.slow
-def test_comfy_file_uses_the_diffusion_model_prefix(trained):
+def test_the_primary_file_uses_the_diffusion_model_prefix(trained):
     _, run_dir, _, _ = trained
-    with safe_open(str(run_dir / "zimage.comfy.safetensors"), "pt") as handle:
+    with safe_open(str(run_dir / "zimage.safetensors"), "pt") as handle:
         keys = list(handle.keys())
     assert keys and all(k.startswith("diffusion_model.") for k in keys)
     assert "diffusion_model.layers.0.attention.to_q.lora_down.weight" in keys

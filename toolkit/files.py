@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,3 +48,29 @@ def write_text_atomic(path: Path, text: str) -> Path:
 
 def write_json_atomic(path: Path, data: dict, sort_keys: bool = True) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
+
+
+def write_folder_atomic(folder: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` fills a temporary folder next to `folder`, which then takes its place (an older one is moved
+    aside first and removed after). Files in it get the same permissions as `write_atomic`'s."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    try:
+        tmp.mkdir()
+        write(tmp)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                os.chmod(path, new_file_mode())
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+    finally:
+        for leftover in (tmp, old):
+            if leftover.exists():
+                shutil.rmtree(leftover)
+    return folder

@@ -26,8 +26,8 @@ from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, torch_d
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
 from toolkit.network.files import load_pretrained, write_comfy_file
-from toolkit.network.lora import add_lora, lora_state_dict, mirror_lora, write_lora_file
-from toolkit.network.metadata import TrainingFacts, lora_metadata, tag_frequency
+from toolkit.network.lora import add_lora, lora_state_dict, mirror_lora, write_lora_file, write_peft_folder
+from toolkit.network.metadata import TrainingFacts, lora_metadata, reduce_path, tag_frequency
 from toolkit.paths import normalize_path
 from toolkit.run.accelerator import RunAccelerator
 from toolkit.run.checkpoint import Checkpoints, TrainedParts
@@ -122,7 +122,8 @@ class BaseSDTrainProcess(BaseProcess):
         self.optimizer = build_optimizer(cfg.train.optimization, self.lora_params)
         self.prepare_components()
         self.lr_scheduler = build_lr_scheduler(cfg.train.lr_schedule, self.optimizer, self.plan)
-        renderer = SampleRenderer(cfg.sample, cfg.trigger_word, self.folder.samples, cfg.model.name_or_path)
+        model_name = cfg.model.name_or_path if cfg.save.metadata == "full" else reduce_path(cfg.model.name_or_path)
+        renderer = SampleRenderer(cfg.sample, cfg.trigger_word, self.folder.samples, model_name)
         if renderer.enabled:
             renderer.check_size(self.adapter.divisor)
         self.sampler = Sampler(renderer, self.adapter, self.placement, self.trained_module, self.mirrors,
@@ -383,19 +384,21 @@ class BaseSDTrainProcess(BaseProcess):
         )
 
     def write_final_loras(self) -> None:
-        """The finished LoRA in every format `save.formats` asks for, with the metadata `save.metadata` asks for."""
-        dtype = DTYPES[self.config.save.dtype]
-        files, module = self.adapter.files, self.adapter.trainable_module()
-        formats = self.config.save.formats or files.default_formats
-        if self.config.network.use_dora and not self.config.save.formats:
-            formats = [f for f in formats if f != "comfy"]  # no ComfyUI form of DoRA yet
+        """<name>.safetensors in the family's primary form, and each other form `save.formats` lists beside it as
+        <name>.<form>.safetensors, with the metadata `save.metadata` asks for."""
+        files = self.adapter.files
         metadata = lora_metadata(self.training_facts(self.position.global_step), self.config.save.metadata)
-        hashes = self.config.save.metadata != "minimal"
-        if "diffusers" in formats:
-            path = self.folder.final_lora
+        for form in [files.primary, *(f for f in self.config.save.formats if f != files.primary)]:
+            path = self.folder.final_lora_form(form, files.primary)
+            self.write_lora_form(form, path, metadata)
+            log.info("saved LoRA %s (%s form)", path, form)
+
+    def write_lora_form(self, form: str, path: Path, metadata: dict[str, str]) -> None:
+        dtype, files = DTYPES[self.config.save.dtype], self.adapter.files
+        module, hashes = self.adapter.trainable_module(), self.config.save.metadata != "minimal"
+        if form == "diffusers":
             write_lora_file(path, lora_state_dict(module, files.prefix, dtype), metadata, module, files.prefix, hashes)
-            log.info("saved LoRA %s", path)
-        if "comfy" in formats:
-            path = self.folder.final_lora.with_suffix(".comfy.safetensors")
+        elif form == "peft":
+            write_peft_folder(path, module)
+        else:
             write_comfy_file(path, module, files, dtype, metadata, hashes)
-            log.info("saved LoRA %s (ComfyUI/kohya keys)", path)

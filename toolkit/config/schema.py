@@ -76,12 +76,6 @@ class SDTrainerConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _dora_has_no_comfy_form(self) -> SDTrainerConfig:
-        if self.network.use_dora and self.save.formats and "comfy" in self.save.formats:
-            raise ValueError("save.formats: `comfy` has no DoRA form yet (network.use_dora); save diffusers only")
-        return self
-
-    @model_validator(mode="after")
     def _token_dropout_needs_captions(self) -> SDTrainerConfig:
         if self.train.cache_text_embeddings:
             bad = [i for i, d in enumerate(self.datasets) if d.token_dropout_rate > 0]

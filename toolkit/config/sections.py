@@ -27,8 +27,9 @@ class NetworkConfig(Section):
                              "resnet and resampling convs, LoCon style); unset: no conv layers.",
                              json_schema_extra=aka("conv_dim", "conv_rank"))
     conv_alpha: float | None = Field(None, gt=0, description="Alpha of the conv layers; default `conv`.")
-    use_dora: bool = Field(False, description="lora only: weight-decomposed LoRA (DoRA, peft's use_dora). Saved in "
-                           "the diffusers file only (no ComfyUI form yet).")
+    use_dora: bool = Field(False, description="lora only: weight-decomposed LoRA (DoRA, peft's use_dora). The magnitude is "
+                           "saved as peft's `lora_magnitude_vector` (diffusers form) and as kohya/LyCORIS's output-axis "
+                           "`dora_scale` (ComfyUI form; docs/networks.md says which tools apply it exactly).")
     dropout: float = Field(0.0, ge=0, lt=1, description="lora: dropout on the LoRA input (peft's lora_dropout).",
                            json_schema_extra=aka("lora_dropout", "network_dropout"))
     target_modules: list[str] | None = Field(
@@ -69,11 +70,13 @@ class SaveConfig(Section):
                          json_schema_extra=aka("save_precision"))
     save_every: int = Field(250, ge=0, description="Save a checkpoint every N steps (optimizer updates); "
                             "0 saves only at the end.", json_schema_extra=aka("save_every_n_steps"))
-    formats: list[Literal["diffusers", "comfy"]] | None = Field(
-        None, min_length=1,
-        description="Final LoRA files: `diffusers` (<name>.safetensors, diffusers/peft keys) and `comfy` "
-        "(<name>.comfy.safetensors, ComfyUI/kohya keys with alphas, for ComfyUI and A1111/Forge). Default: both "
-        "where the family has a ComfyUI form (sd15, zimage), else diffusers.")
+    formats: list[Literal["diffusers", "comfy", "peft"]] = Field(
+        [], description="Extra forms of the final LoRA. <name>.safetensors is always written, in the form the most "
+        "tools load for the family (ComfyUI/kohya keys with alphas for sd15 and zimage: ComfyUI, A1111/Forge, kohya "
+        "and diffusers' load_lora_weights read it; diffusers keys for wuerstchen). Each other form listed here is "
+        "written beside it as <name>.<form>.safetensors: `diffusers` (diffusers/peft keys, peft config in the "
+        "header), `comfy` (ComfyUI/kohya keys); `peft` writes the folder <name>_peft/ (adapter_config.json, "
+        "adapter_model.safetensors) that peft's `PeftModel.from_pretrained` loads onto the trained module.")
     metadata: Literal["private", "full", "minimal"] = Field(
         "private", description="What the final LoRA files' headers say. `private`: kohya's `ss_*` keys and hashes, "
         "the model spec and the job config with every local path reduced to its last component (hub ids stay; no "

@@ -58,8 +58,9 @@ class LoraFileFormat:
     comfy_separator: str = "_"
     #: kohya's base-model tag in the file header
     kohya_base_model: str = ""
-    #: `save.formats` when the config leaves it unset
-    default_formats: tuple[str, ...] = ("diffusers", "comfy")
+    #: the form of `<name>.safetensors`: the one the most tools load for this family ("comfy": ComfyUI, A1111/Forge,
+    #: kohya and diffusers' load_lora_weights all read it; "diffusers" where ComfyUI has no loader)
+    primary: str = "comfy"
     #: `modelspec.architecture` of the family's LoRA files (Stability AI's model spec, as kohya writes it)
     modelspec_architecture: str = ""
 

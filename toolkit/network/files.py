@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 if TYPE_CHECKING:
     from toolkit.models.base import LoraFileFormat
 
+from toolkit.files import write_folder_atomic
 from toolkit.network.formats import (
     FROM_COMFY,
     from_comfy,
@@ -47,6 +49,14 @@ def read_header(path: Path) -> dict[str, str]:
         raise FileNotFoundError(f"adapter file not found: {path}")
     with safe_open(str(path), "pt") as handle:
         return handle.metadata() or {}
+
+
+def is_comfy_file(path: Path, files: LoraFileFormat) -> bool:
+    """Whether an adapter file holds ComfyUI/kohya keys (its key names only are read)."""
+    if path.is_dir():
+        return False
+    with safe_open(str(path), "pt") as handle:
+        return is_comfy_form(dict.fromkeys(handle.keys()), files.comfy_prefix, files.comfy_separator)
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -105,8 +115,12 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
     Scales come from the diffusers header (peft's alpha / r), from ComfyUI `.alpha` keys (alpha / rank), or
     are 1 when the file says nothing (diffusers' rule: alpha = rank). ComfyUI/kohya files need `model_modules`
     (the module paths under `prefix`) where their names are flattened; keys of other components (e.g. text
-    encoders) are skipped with a warning."""
-    state, metadata = read_safetensors(path)
+    encoders) are skipped with a warning. A folder is read as peft's own (adapter_config.json and
+    adapter_model.safetensors, as `PeftModel.save_pretrained` and `save.formats: [peft]` write it)."""
+    if path.is_dir():
+        state, metadata = read_peft_folder(path, prefix)
+    else:
+        state, metadata = read_safetensors(path)
     if not is_comfy_form(state, comfy_prefix, separator):
         # peft-named files (`.lora_A.` / `.lora_B.`) are diffusers files too: one form from here on
         weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
@@ -129,6 +143,45 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
     modules = module_paths(weights, prefix)
     named = {m: alphas.get(f"{prefix}.{m}", float(rank_of(weights, prefix, m) or 1)) for m in modules}
     return weights, comfy_scales(weights, prefix, named)
+
+
+PEFT_WEIGHTS, PEFT_CONFIG, PEFT_KEY_PREFIX = "adapter_model.safetensors", "adapter_config.json", "base_model.model."
+
+
+def read_peft_folder(folder: Path, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A peft adapter folder as a diffusers-form state under `prefix` and a header holding its config."""
+    config_path, weights_path = folder / PEFT_CONFIG, folder / PEFT_WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise FileNotFoundError(f"{folder}: not a peft adapter folder (needs {PEFT_CONFIG} and {PEFT_WEIGHTS})")
+    state, _ = read_safetensors(weights_path)
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    renamed = {f"{prefix}.{key.removeprefix(PEFT_KEY_PREFIX)}": value for key, value in state.items()}
+    header = {f"{prefix}.{key}": value for key, value in config.items()}
+    return renamed, {LORA_ADAPTER_METADATA_KEY: json.dumps(header)}
+
+
+def write_peft_form(folder: Path, weights: dict[str, torch.Tensor], prefix: str, scales: dict[str, float]) -> None:
+    """LoRA (DoRA included) weights as a peft adapter folder: exact per-module ranks and alphas (rank_pattern,
+    alpha_pattern), so `PeftModel.from_pretrained` applies the same deltas. LoKr and LoHa are written as peft
+    folders at training time (`save.formats: [peft]`), where their factorisation is known."""
+    from peft import LoraConfig
+
+    modules = sorted(scales)
+    if any(not (f"{prefix}.{m}.lora.down.weight" in weights) for m in modules):
+        raise ValueError("only LoRA (and DoRA) files convert to a peft folder; LoKr and LoHa: save.formats: [peft]")
+    ranks = {m: rank_of(weights, prefix, m) for m in modules}
+    config = LoraConfig(
+        r=max(ranks.values()), lora_alpha=max(ranks.values()), target_modules=modules,
+        rank_pattern={m: r for m, r in ranks.items()}, alpha_pattern={m: scales[m] * ranks[m] for m in modules},
+        use_dora=any(key.endswith(".lora_magnitude_vector") for key in weights))
+    state = {PEFT_KEY_PREFIX + key[len(prefix) + 1:].replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B."):
+             value.contiguous() for key, value in weights.items()}
+
+    def write(tmp: Path) -> None:
+        config.save_pretrained(str(tmp))
+        save_file(state, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
+
+    write_folder_atomic(folder, write)
 
 
 def comfy_ready(weights: dict[str, torch.Tensor], prefix: str, scales: dict[str, float]
@@ -186,17 +239,20 @@ def write_comfy_file(path: Path, module: torch.nn.Module, files: LoraFileFormat,
 
 
 def convert_file(source: Path, target: Path, to: str, files: LoraFileFormat, model_modules: list[str] | None) -> int:
-    """Rewrite an adapter file in the other form; deltas unchanged. To diffusers, the scales are folded into
-    the weights (alpha = rank, what every diffusers loader assumes without a header). Returns the modules."""
+    """Rewrite an adapter in another form (`comfy`, `diffusers`, or a `peft` folder); deltas unchanged. To
+    diffusers, the scales are folded into the weights (alpha = rank, what every diffusers loader assumes without a
+    header). The header's metadata is kept, its kohya hashes recomputed for the new tensors. Returns the modules."""
     prefix, comfy_prefix, separator = files.prefix, files.comfy_prefix, files.comfy_separator
     weights, scales = read_adapter_file(source, prefix, comfy_prefix, separator, model_modules)
-    metadata = read_header(source)
+    if to == "peft":
+        write_peft_form(target, weights, prefix, scales)
+        return len(scales)
+    metadata = {} if source.is_dir() else read_header(source)
+    kept = {k: v for k, v in metadata.items() if k != LORA_ADAPTER_METADATA_KEY and not k.startswith("sshs_")}
     if to == "comfy":
         ready, alphas = comfy_ready(weights, prefix, scales)
         state = to_comfy(ready, {prefix: comfy_prefix}, alphas.__getitem__, separator)
-        kept = {k: v for k, v in metadata.items() if k != LORA_ADAPTER_METADATA_KEY}
     else:
         state = rescaled(weights, prefix, scales)
-        kept = {k: v for k, v in metadata.items() if not k.startswith("ss_") and k != LORA_ADAPTER_METADATA_KEY}
-    write_safetensors(target, state, kept)
+    write_safetensors(target, state, kept, kohya_hashes=any(k.startswith("ss_") for k in kept))
     return len(scales)

@@ -7,6 +7,11 @@ and a scalar `.alpha` per module, which A1111/Forge and ComfyUI read. Module pat
 both (kohya names SD 1.x modules by the diffusers UNet's paths), so converting is a rename plus the alphas.
 Families whose ComfyUI loader keeps dotted diffusers paths (Z-Image: `diffusion_model.layers.0.attention.to_q
 .lora_down.weight`) use the separator ".".
+
+DoRA: peft's magnitude (`.lora_magnitude_vector`, one value per output row: shape [out] for a Linear,
+[1, out, 1, 1] for a conv) is kohya/LyCORIS's `.dora_scale` in its output-axis orientation ([out, 1] and
+[out, 1, 1, 1], LyCORIS's `wd_on_out`, its default since 3.2): the same numbers, the same meaning
+(m * (W + dW) / ||W + dW|| per output row), reshaped.
 """
 
 from __future__ import annotations
@@ -20,8 +25,26 @@ LORA_SUFFIX = {"lora.down.weight": "lora_down.weight", "lora.up.weight": "lora_u
 #: LyCORIS weight names, the same in both forms
 LYCORIS_SUFFIXES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2",
                     "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
-TO_COMFY = {**LORA_SUFFIX, **{name: name for name in LYCORIS_SUFFIXES}}
+#: DoRA's magnitude: peft's name -> kohya/LyCORIS's
+DORA_SUFFIX = {"lora_magnitude_vector": "dora_scale"}
+TO_COMFY = {**LORA_SUFFIX, **{name: name for name in LYCORIS_SUFFIXES}, **DORA_SUFFIX}
 FROM_COMFY = {comfy: ours for ours, comfy in TO_COMFY.items()}
+
+
+def dora_scale(magnitude: torch.Tensor) -> torch.Tensor:
+    """peft's magnitude ([out], or [1, out, 1, 1] for a conv) -> LyCORIS's output-axis dora_scale ([out, 1, ...])."""
+    if magnitude.dim() == 1:
+        return magnitude.reshape(-1, 1)
+    return magnitude.reshape(magnitude.shape[1], 1, *magnitude.shape[2:])
+
+
+def dora_magnitude(scale: torch.Tensor) -> torch.Tensor:
+    """LyCORIS's dora_scale -> peft's magnitude. Only the output-axis orientation maps onto peft's DoRA (the
+    [1, in] form decomposes per input column, which peft cannot hold)."""
+    if scale.dim() < 2 or scale.shape[1] != 1:
+        raise ValueError(f"a dora_scale of shape {tuple(scale.shape)} decomposes per input column; only the "
+                         "output-axis form ([out, 1], LyCORIS's wd_on_out) maps onto peft's DoRA")
+    return scale.reshape(-1) if scale.dim() == 2 else scale.reshape(1, scale.shape[0], *scale.shape[2:])
 
 
 def comfy_module_name(prefix: str, module: str, separator: str) -> str:
@@ -34,8 +57,6 @@ def split_weight_key(key: str, suffixes) -> tuple[str, str]:
     for suffix in sorted(suffixes, key=len, reverse=True):
         if key.endswith("." + suffix):
             return key[: -len(suffix) - 1], suffix
-    if key.endswith((".lora_magnitude_vector", ".lora_magnitude_vector.weight")):
-        raise ValueError(f"{key}: DoRA magnitudes have no ComfyUI form here yet; save.formats: [diffusers]")
     raise ValueError(f"not an adapter weight key: {key}")
 
 
@@ -52,7 +73,7 @@ def to_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], alpha_of:
         component, rest = key.split(".", 1)
         module, suffix = split_weight_key(rest, TO_COMFY)
         name = comfy_module_name(prefixes[component], module, separator)
-        out[f"{name}.{TO_COMFY[suffix]}"] = value
+        out[f"{name}.{TO_COMFY[suffix]}"] = dora_scale(value) if suffix in DORA_SUFFIX else value
         out.setdefault(f"{name}.alpha", torch.tensor(float(alpha_of(module)), dtype=torch.float32))
     return out
 
@@ -74,7 +95,8 @@ def from_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], module_
         if suffix == "alpha":
             alphas[by_comfy[name]] = float(value)
         else:
-            weights[f"{by_comfy[name]}.{FROM_COMFY[suffix]}"] = value
+            ours = FROM_COMFY[suffix]
+            weights[f"{by_comfy[name]}.{ours}"] = dora_magnitude(value) if ours in DORA_SUFFIX else value
     return weights, alphas
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.config.sections import NetworkConfig
 from toolkit.device import to_device
-from toolkit.files import write_atomic
+from toolkit.files import write_atomic, write_folder_atomic
 
 #: peft adapter name of the trained adapter, and of a merged assistant LoRA while it is being merged
 ADAPTER = "default"
@@ -149,6 +149,22 @@ def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[s
     """A diffusers-format LoRA file, with the peft config in the header so alpha loads back."""
     write_safetensors(path, state, {LORA_ADAPTER_METADATA_KEY: adapter_metadata(module, prefix), **metadata},
                       kohya_hashes)
+
+
+def write_peft_folder(folder: Path, module: torch.nn.Module) -> None:
+    """The adapter as peft's own save_pretrained writes it (adapter_config.json, adapter_model.safetensors with
+    `base_model.model.` keys), so that `PeftModel.from_pretrained(<the trained module's base>, folder)` loads it."""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+
+    config = copy.deepcopy(module.peft_config[ADAPTER])
+    state = {f"base_model.model.{key}": value.detach().to("cpu").contiguous()
+             for key, value in get_peft_model_state_dict(module).items()}
+
+    def write(tmp: Path) -> None:
+        config.save_pretrained(str(tmp))
+        save_file(state, str(tmp / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+
+    write_folder_atomic(folder, write)
 
 
 def merge_lora_state(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str,

@@ -373,13 +373,13 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: unreadable: {err}") from err
 
 
-def set_aside_newer(checkpoints_dir: Path, step: int, final_lora: Path) -> Path | None:
+def set_aside_newer(checkpoints_dir: Path, step: int, final_loras: list[Path]) -> Path | None:
     """Move checkpoints newer than `step` (and the final LoRA) of an abandoned continuation into
     `checkpoints/abandoned_after_step_XXXXXXXXX/`, so that `resume: auto` and pruning follow the run that
     continues from `step`, and nothing is deleted."""
     newer = [p for p in (checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else [])
              if STEP_DIR.match(p.name) and int(p.name[5:]) > step]
-    moving = newer + ([final_lora] if final_lora.exists() and newer else [])
+    moving = newer + ([p for p in final_loras if p.exists()] if newer else [])
     if not moving:
         return None
     target = checkpoints_dir / f"abandoned_after_{step_dir_name(step)}"

@@ -34,6 +34,18 @@ class RunFolder:
     def final_lora(self) -> Path:
         return self.root / f"{self.name}.safetensors"
 
+    def final_lora_form(self, form: str, primary: str) -> Path:
+        """Where the finished LoRA in `form` goes: <name>.safetensors for the family's primary form,
+        <name>.<form>.safetensors for the others, the folder <name>_peft/ for peft's own."""
+        if form == "peft":
+            return self.root / f"{self.name}_peft"
+        return self.final_lora if form == primary else self.root / f"{self.name}.{form}.safetensors"
+
+    def final_loras(self) -> list[Path]:
+        """The finished LoRA files there are: <name>.safetensors, its other forms, the peft folder."""
+        return sorted([*self.root.glob(f"{self.name}.safetensors"), *self.root.glob(f"{self.name}.*.safetensors"),
+                       *[p for p in [self.root / f"{self.name}_peft"] if p.exists()]])
+
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
@@ -45,7 +57,7 @@ class RunFolder:
     def saved_work(self) -> list[Path]:
         """What a fresh start would overwrite: complete checkpoints and the final LoRA."""
         complete, _ = checkpoint.scan_checkpoints(self.checkpoints)
-        return complete + [p for p in [self.final_lora] if p.exists()]
+        return complete + self.final_loras()
 
     def resume_point(self, resume: bool | str, overwrite: bool) -> Path | None:
         """The checkpoint to continue from (`train.resume`), or None to start fresh. Reads only; refuses to
@@ -72,7 +84,7 @@ class RunFolder:
     def open(self, overwrite: bool, resolved_config: dict) -> None:
         """Remove what `train.overwrite` replaces, then write the resolved config (one process calls this)."""
         if overwrite:
-            for path in [self.checkpoints, self.final_lora, self.metrics, self.samples]:
+            for path in [self.checkpoints, *self.final_loras(), self.metrics, self.samples]:
                 if path.exists():
                     log.warning("train.overwrite: removing %s", path)
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -81,7 +93,7 @@ class RunFolder:
 
     def set_aside_after(self, step: int) -> Path | None:
         """Continuing from an older checkpoint abandons the newer ones: they move aside, not away."""
-        aside = checkpoint.set_aside_newer(self.checkpoints, step, self.final_lora)
+        aside = checkpoint.set_aside_newer(self.checkpoints, step, self.final_loras())
         if aside is not None:
             log.warning("continuing from step %d: the newer checkpoints of the earlier run were moved to %s", step,
                         aside)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -35,6 +36,17 @@ class SampleRenderer:
             if value % divisor:
                 raise ValueError(f"sample.{key} ({value}) must be a multiple of {divisor} for this model")
 
+    def reproduction(self, pipe, prompt: str, seed: int, guidance: float, step: int) -> dict:
+        """What a sample's PNG text records: enough to render it again in diffusers (docs/networks.md): the
+        pipeline and scheduler (class and config), steps, guidance, size, the CPU generator's seed, and the LoRA at
+        scale 1 (the run's <name>.safetensors, or the checkpoint of `step`)."""
+        return {"prompt": prompt, "negative_prompt": self.cfg.neg, "seed": seed, "step": step,
+                "model": self.model_name, "pipeline": type(getattr(pipe, "pipe", pipe)).__name__,
+                "scheduler": type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else "",
+                "scheduler_config": json.dumps(dict(pipe.scheduler.config)) if hasattr(pipe, "scheduler") else "",
+                "num_inference_steps": self.cfg.sample_steps, "guidance_scale": guidance, "width": self.cfg.width,
+                "height": self.cfg.height, "generator": "torch.Generator('cpu').manual_seed(seed)", "lora_scale": 1.0}
+
     def seed_for(self, index: int) -> int:
         return self.cfg.seed + index if self.cfg.walk_seed else self.cfg.seed
 
@@ -55,18 +67,18 @@ class SampleRenderer:
             seed = self.seed_for(index)
             given = conditioning[index] if conditioning else None
             text = given if given is not None else {"prompt": prompt, "negative_prompt": self.cfg.neg or None}
+            guidance = (adapter.sampling.default_guidance_scale if self.cfg.guidance_scale is None
+                        else self.cfg.guidance_scale)
             image = pipe(
                 **text,
                 num_inference_steps=self.cfg.sample_steps,
-                guidance_scale=adapter.sampling.default_guidance_scale if self.cfg.guidance_scale is None
-                else self.cfg.guidance_scale,
+                guidance_scale=guidance,
                 width=self.cfg.width,
                 height=self.cfg.height,
                 generator=torch.Generator(device="cpu").manual_seed(seed),
             ).images[0]
             info = PngInfo()
-            for key, value in {"prompt": prompt, "negative_prompt": self.cfg.neg, "seed": seed, "step": step,
-                               "model": self.model_name}.items():
+            for key, value in self.reproduction(pipe, prompt, seed, guidance, step).items():
                 info.add_text(key, str(value))
             path = self.folder / f"step_{step:09d}_{index}.png"
             write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))

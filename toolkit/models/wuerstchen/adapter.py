@@ -81,9 +81,10 @@ class WuerstchenAdapter(ModelAdapter):
     arch = "wuerstchen"
     facts = FACTS
     # WuerstchenPriorPipeline.load_lora_weights loads `prior.*` keys into the prior. No ComfyUI loader exists for
-    # Wuerstchen v2: the `comfy` form (asked for explicitly) writes kohya-style keys under OneTrainer's prefix.
+    # Wuerstchen v2, so the diffusers form is primary; the `comfy` form (asked for in save.formats) writes
+    # kohya-style keys under OneTrainer's prefix.
     files = LoraFileFormat(prefix="prior", comfy_prefix="lora_prior_unet", kohya_base_model="wuerstchen_v2",
-                           default_formats=("diffusers",), modelspec_architecture="wuerstchen-v2-prior/lora")
+                           primary="diffusers", modelspec_architecture="wuerstchen-v2-prior/lora")
     text_rules = ClipTextRules
     sampling_parts = WuerstchenSampling
     #: EfficientNetV2-S reduces the image 32x; the prior is fully convolutional at that size
