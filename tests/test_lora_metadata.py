@@ -151,7 +151,7 @@ def test_a_finished_run_describes_itself_without_private_paths(tmp_path):
     assert run.main([str(write_job(tmp_path / "job.yaml", "described", process))]) == 0
     run_dir = tmp_path / "output" / "described"
     found = headers(run_dir)
-    assert set(found) == {"described.safetensors", "described.comfy.safetensors"}
+    assert set(found) == {"described.safetensors", "described.diffusers.safetensors"}
     for name, meta in found.items():
         assert meta["ss_output_name"] == "described" and meta["ss_steps"] == "3"
         assert meta["ss_resolution"] == "(64, 64)" and meta["ss_num_train_images"] == "6"
@@ -169,9 +169,11 @@ def test_a_finished_run_describes_itself_without_private_paths(tmp_path):
         assert str(data) in handle.metadata()["difftune_config"]
 
     full = trainer_process(tmp_path, datasets=[{"folder_path": str(data), "resolution": [64]}],
-                           train={"steps": 1}, save={"metadata": "full"})
+                           train={"steps": 1}, save={"metadata": "full", "formats": ["peft"]})
     assert run.main([str(write_job(tmp_path / "full.yaml", "full", full))]) == 0
     assert all(str(data) in meta["difftune_config"] for meta in headers(tmp_path / "output" / "full").values())
+    peft_folder = tmp_path / "output" / "full" / "full_peft"
+    assert sorted(p.name for p in peft_folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 @pytest.mark.slow

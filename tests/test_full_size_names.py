@@ -1,0 +1,95 @@
+"""The primary LoRA file's key names for the full-size models (built on the meta device: module names only, no
+weights): exactly the names ComfyUI/kohya give those models' modules, and diffusers' own converter for such files
+maps every one of them back to a module of the full-size model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel, ZImageTransformer2DModel
+from diffusers.loaders.lora_conversion_utils import (
+    _convert_non_diffusers_lora_to_diffusers,
+    _convert_non_diffusers_z_image_lora_to_diffusers,
+)
+from diffusers.utils import convert_unet_state_dict_to_peft
+
+from benchmarks.full_size import SD15_FULL, ZIMAGE_FULL
+from toolkit.config.sections import NetworkConfig
+from toolkit.models.registry import get_adapter_class
+from toolkit.network.files import comfy_ready
+from toolkit.network.formats import to_comfy
+from toolkit.network.lora import adapter_layers, add_lora, lora_state_dict, module_scales
+
+
+def full_size(arch: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        if arch == "sd15":
+            return UNet2DConditionModel(**SD15_FULL["unet"])
+        return ZImageTransformer2DModel(**ZIMAGE_FULL["transformer"])
+
+
+def primary_state(arch: str, network: NetworkConfig) -> tuple[torch.nn.Module, dict[str, torch.Tensor], list[str]]:
+    """The full-size module with the adapter (its weights materialised as zeros on the CPU, the base left on the
+    meta device), the primary file's state as the trainer writes it, and the adapted module paths."""
+    family = get_adapter_class(arch)
+    module = full_size(arch)
+    module.requires_grad_(False)
+    add_lora(module, network, family.lora_target_modules(None), family.conv_target_modules(None))
+    for layer in adapter_layers(module).values():
+        for part in ("lora_A", "lora_B"):
+            getattr(layer, part).to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "lora_" in name:
+                param.zero_()
+    files = family.files
+    weights, alphas = comfy_ready(lora_state_dict(module, files.prefix, torch.float32), files.prefix,
+                                  module_scales(module))
+    state = to_comfy(weights, {files.prefix: files.comfy_prefix}, alphas.__getitem__, files.comfy_separator)
+    return module, state, sorted(adapter_layers(module))
+
+
+def modules_named(state: dict[str, torch.Tensor]) -> set[str]:
+    return {key.rsplit(".", 2)[0] if key.endswith(".weight") else key.rsplit(".", 1)[0] for key in state}
+
+
+def test_sd15_primary_names_are_kohyas_for_the_full_size_unet():
+    """kohya/ComfyUI/A1111 name an SD 1.x module `lora_unet_` + its diffusers path with `_` for `.` (ComfyUI
+    builds them from unet_to_diffusers, A1111 converts them to its LDM names)."""
+    network = NetworkConfig(linear=4, linear_alpha=4, conv=2, conv_alpha=1)
+    module, state, adapted = primary_state("sd15", network)
+    attention = [path for path in adapted if ".attn" in path]
+    assert len(attention) == 16 * 2 * 4  # q, k, v, out of both attentions of SD 1.5's 16 transformer blocks
+    assert len(adapted) - len(attention) > 40  # the resnet, shortcut and resampling convs (LoCon)
+    assert modules_named(state) == {"lora_unet_" + path.replace(".", "_") for path in adapted}
+    assert "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_k" in modules_named(state)
+    assert "lora_unet_up_blocks_3_resnets_2_conv_shortcut" in modules_named(state)
+    converted, alphas = _convert_non_diffusers_lora_to_diffusers(dict(state))
+    # what load_lora_weights does next: attention-processor names to module names
+    unet = convert_unet_state_dict_to_peft({k.removeprefix("unet."): v for k, v in converted.items()})
+    back = {key.rsplit(".lora_", 1)[0] for key in unet}
+    assert back == set(adapted) and len(alphas) == len(adapted)
+    names = dict(module.named_modules())
+    assert all(path in names for path in back)
+
+
+def test_zimage_primary_names_are_comfyuis_for_the_full_size_transformer():
+    """ComfyUI maps Z-Image LoRAs by `diffusion_model.<diffusers module path>` (to_q/to_k/to_v onto its fused
+    qkv); diffusers' Z-Image converter reads the same names back to the transformer's modules."""
+    network = NetworkConfig(linear=4, linear_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0",
+                                                                      "feed_forward.w1", "feed_forward.w2",
+                                                                      "feed_forward.w3"])
+    module, state, adapted = primary_state("zimage", network)
+    assert len(adapted) == 34 * 7  # 30 layers, 2 noise and 2 context refiners: attention and feed-forward
+    assert modules_named(state) == {f"diffusion_model.{path}" for path in adapted}
+    assert "diffusion_model.layers.29.attention.to_out.0" in modules_named(state)
+    converted = _convert_non_diffusers_z_image_lora_to_diffusers(dict(state))
+    back = {key.split(".", 1)[1].rsplit(".lora_", 1)[0] for key in converted}
+    assert back == set(adapted)
+    names = dict(module.named_modules())
+    assert all(path in names for path in back)
+
+
+@pytest.mark.parametrize("arch", ["sd15", "zimage"])
+def test_the_primary_form_is_the_comfy_form_for_these_families(arch):
+    assert get_adapter_class(arch).files.primary == "comfy"
