@@ -167,7 +167,7 @@ def write_peft_form(folder: Path, weights: dict[str, torch.Tensor], prefix: str,
     from peft import LoraConfig
 
     modules = sorted(scales)
-    if any(not (f"{prefix}.{m}.lora.down.weight" in weights) for m in modules):
+    if any(f"{prefix}.{m}.lora.down.weight" not in weights for m in modules):
         raise ValueError("only LoRA (and DoRA) files convert to a peft folder; LoKr and LoHa: save.formats: [peft]")
     ranks = {m: rank_of(weights, prefix, m) for m in modules}
     config = LoraConfig(
