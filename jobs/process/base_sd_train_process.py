@@ -219,7 +219,9 @@ class BaseSDTrainProcess(BaseProcess):
         with GracefulStop() as signal:
             while self.position.global_step < self.plan.total_updates:
                 if self.train_epoch(signal):
+                    self.monitor.close_progress()
                     return self.stop_with_checkpoint()
+        self.monitor.close_progress()
 
     def train_epoch(self, signal: GracefulStop) -> bool:
         """The micro-batches of one epoch; True when the run stops. Nothing here reads a value back from the device

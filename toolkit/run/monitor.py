@@ -103,6 +103,11 @@ class Monitor:
                              disable=not self.progress_enabled)
         self.throughput.restart()
 
+    def close_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
     def ended(self, state: str, step: int | None, error: str | None = None) -> None:
         """How the run ended; `step` None keeps the folder's last known step (a failure before the plan)."""
         self.status.ended(state, step, error)
@@ -111,9 +116,7 @@ class Monitor:
         self.ended("failed", step if self.status.planned else None, f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
+        self.close_progress()
         self.metrics.close()
         # not accelerator.end_training(): it also destroys the process group a next job of the launch needs
         for tracker in getattr(self.accelerator, "trackers", []):
