@@ -95,10 +95,11 @@ def distributed() -> bool:
 
 
 def run_jobs(args: argparse.Namespace) -> int:
-    """Every job file is read and checked (schema, then paths) before the first one starts, and before any training
-    library is imported: a typo in the third file fails in a second, not after two trainings."""
+    """Every job file is read and checked against the schema before the first one starts, and before any training
+    library is imported: a typo in the third file fails in a second, not after two trainings. A job's paths are
+    checked just before it starts (an earlier job may write what a later one reads)."""
     from jobs.registry import build_registry
-    from toolkit.config.loader import check_paths, load_config
+    from toolkit.config.loader import load_config
     from toolkit.errors import UserError
 
     registry = build_registry(ROOT / "extensions")
@@ -106,7 +107,6 @@ def run_jobs(args: argparse.Namespace) -> int:
     for arg in args.configs:
         try:
             config, path = load_config(arg, registry, name=args.name, config_root=ROOT / "config")
-            check_paths(config, path)
             loaded.append((arg, config, path))
         except UserError as err:
             report_user_error(err, args)
@@ -132,10 +132,16 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 def run_job(arg: str, config, path: Path, registry, args: argparse.Namespace) -> str:
     """One job: "finished", "failed", or "stopped" (Ctrl-C, --control stop: the whole command ends cleanly)."""
-    from jobs.job import get_job
-    from jobs.process.base_process import StopRequested
+    from toolkit.config.loader import check_paths
     from toolkit.errors import UserError
 
+    try:
+        check_paths(config, path)  # before the training libraries load: a missing folder is said in a second
+        from jobs.job import get_job
+        from jobs.process.base_process import StopRequested
+    except UserError as err:
+        report_user_error(err, args)
+        return "failed"
     try:
         get_job(config, path, registry).run()
     except StopRequested as stop:
@@ -162,6 +168,7 @@ def convert_lora(args: argparse.Namespace) -> int:
     """--convert-lora: the same conversion code as saving, between the ComfyUI/kohya form, the diffusers form and
     a peft folder; kohya's flattened names are resolved against the model's real module names (the model is
     loaded for that only)."""
+    from toolkit.errors import UserError
     from toolkit.models.registry import get_adapter_class, model_config
     from toolkit.network.files import convert_file, is_comfy_file, read_header
 
@@ -179,10 +186,16 @@ def convert_lora(args: argparse.Namespace) -> int:
                 raise ValueError(f"{source}: kohya names need the model's module names; give --model")
             import torch
 
-            adapter = family.load(model_config(arch=arch, name_or_path=model), torch.device("cpu"), torch.float32)
+            try:
+                adapter = family.load(model_config(arch=arch, name_or_path=model), torch.device("cpu"), torch.float32)
+            except (OSError, ValueError) as err:
+                given = "--model" if args.model else "the base model its header names (a local path is reduced to " \
+                    "its last component there)"
+                raise ValueError(f"{source}: kohya names need the model's module names, and {given}, {model!r}, "
+                                 f"did not load ({err}); give --model with the model's folder, file or hub id") from err
             names = [name for name, _ in adapter.trainable_module().named_modules() if name]
         count = convert_file(source, target, args.to, family.files, names)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError, UserError) as err:  # FileNotFoundError included
         log.error("%s", err)
         return 2
     log.info("wrote %s (%s form, %d modules)", target, args.to, count)

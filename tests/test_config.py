@@ -281,3 +281,17 @@ def test_paths_are_checked_before_any_model_loads(tmp_path, registry):
     fine = trainer_process(tmp_path, datasets=[{"folder_path": str(images)}])
     config, path = load_config(str(write_job(tmp_path / "ok.yaml", "ok", fine)), registry)
     check_paths(config, path)  # tiny preset, a folder with an image: nothing to say
+
+
+def test_dataset_folders_expand_the_home_folder_once_for_the_check_and_the_loader():
+    from toolkit.config.sections import DatasetConfig
+
+    assert DatasetConfig(folder_path="~/imgs").folder_path == str(Path.home() / "imgs")
+    assert DatasetConfig(folder_path="x", cache_dir="~/c").cache_dir == str(Path.home() / "c")
+
+
+def test_a_job_file_that_is_not_text_is_a_config_error(tmp_path, registry):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="cannot read it as a UTF-8 text file"):
+        load_config(str(path), registry)

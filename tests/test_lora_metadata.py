@@ -86,7 +86,10 @@ def test_paths_are_reduced_to_their_last_component_and_hub_ids_stay(tmp_path):
     assert reduce_path("stable-diffusion-v1-5/stable-diffusion-v1-5") == "stable-diffusion-v1-5/stable-diffusion-v1-5"
     assert reduce_path("tiny") == "tiny" and reduce_path("a photo of shp") == "a photo of shp"
     assert home not in reduce_path(f"saved under {home}/x") and home not in reduce_path(f"{home}")
-    assert private_config({"a": [str(tmp_path / "d")], "b": 3, "c": None}) == {"a": ["d"], "b": 3, "c": None}
+    config = {"datasets": [{"folder_path": str(tmp_path / "d"), "cache_dir": None}], "steps": 3,
+              "sample": {"prompts": ["shp, 1/2 body shot, 3/4 view", f"see {home}/notes"]}}
+    assert private_config(config) == {"datasets": [{"folder_path": "d", "cache_dir": None}], "steps": 3,
+                                      "sample": {"prompts": ["shp, 1/2 body shot, 3/4 view", "see notes"]}}
 
 
 def test_tag_frequency_counts_comma_tags_per_dataset_folder_once_per_caption():
@@ -228,3 +231,37 @@ def test_a_training_sample_is_reproduced_in_diffusers_from_its_png_text(tmp_path
                  generator=torch.Generator("cpu").manual_seed(int(info["seed"]))).images[0]
     difference = np.abs(np.asarray(again, dtype=np.int16) - np.asarray(png.convert("RGB"), dtype=np.int16))
     assert difference.max() <= 1, (difference.mean(), difference.max())  # measured: identical on the CPU
+
+
+def test_a_folder_is_never_written_over_a_file(tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.files import write_folder_atomic
+
+    target = tmp_path / "out.safetensors"
+    target.write_text("keep me")
+    with pytest.raises(UserError, match="is a file"):
+        write_folder_atomic(target, lambda tmp: (tmp / "x").write_text("x"))
+    assert target.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]
+    folder = tmp_path / "peft"
+    write_folder_atomic(folder, lambda tmp: (tmp / "a").write_text("1"))
+    write_folder_atomic(folder, lambda tmp: (tmp / "b").write_text("2"))  # replaces the older folder whole
+    assert sorted(p.name for p in folder.iterdir()) == ["b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors", "peft"]
+
+
+@pytest.mark.slow
+def test_a_dora_run_says_which_tools_apply_its_file_and_writes_the_diffusers_form_too(tmp_path, caplog):
+    import logging
+
+    process = trainer_process(tmp_path, network={"type": "lora", "linear": 4, "linear_alpha": 4, "use_dora": True},
+                              train={"steps": 1})
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        assert run.main([str(write_job(tmp_path / "job.yaml", "dora", process))]) == 0
+    assert "DoRA: dora.safetensors (ComfyUI/kohya form" in caplog.text
+    run_dir = tmp_path / "output" / "dora"
+    assert sorted(p.name for p in run_dir.glob("*.safetensors")) == ["dora.diffusers.safetensors", "dora.safetensors"]
+    with safe_open(str(run_dir / "dora.safetensors"), "pt") as handle:
+        meta = handle.metadata()
+        assert any(key.endswith(".dora_scale") for key in handle.keys())
+    assert meta["ss_network_module"] == "lycoris.kohya"
+    assert json.loads(meta["ss_network_args"]) == {"algo": "lora", "dora_wd": "True"}

@@ -17,6 +17,7 @@ import run
 from jobs.job import get_job
 from toolkit.config.loader import load_config
 from toolkit.config.schema import NetworkConfig
+from toolkit.errors import UserError
 from toolkit.models.sd15.adapter import SD15Adapter
 from toolkit.models.zimage.adapter import ZImageAdapter
 from toolkit.network.files import convert_file, load_pretrained
@@ -114,7 +115,7 @@ def test_a_file_of_other_ranks_is_refused_clearly(tmp_path, tiny_cache):
     path = tmp_path / "rank4.safetensors"
     write_lora_file(path, lora_state_dict(module, "unet", torch.float32), {}, module, "unet")
     _, other = adapted("sd15", NetworkConfig(linear=8, linear_alpha=4), seed=None)
-    with pytest.raises(ValueError, match=r"rank4.safetensors does not fit network .*rank 4 vs 8"):
+    with pytest.raises(UserError, match=r"rank4.safetensors does not fit network .*rank 4 vs 8"):
         load_pretrained(other, path, family.files)
 
 

@@ -132,3 +132,15 @@ def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
                     env={"DIFFTUNE_TEST_FAIL_RANK": "1"}, timeout=180)
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_later_job_may_read_what_an_earlier_one_wrote(tmp_path):
+    """`run.py stage1.yaml stage2.yaml` where stage 2 starts from stage 1's LoRA: paths are checked per job."""
+    first = write_job(tmp_path / "stage1.yaml", "stage1", trainer_process(tmp_path, train={"steps": 1}))
+    lora = tmp_path / "output" / "stage1" / "stage1.safetensors"
+    second = write_job(tmp_path / "stage2.yaml", "stage2", trainer_process(
+        tmp_path, train={"steps": 1}, network={"type": "lora", "linear": 4, "linear_alpha": 4,
+                                                "pretrained_lora_path": str(lora)}))
+    assert run.main([str(first), str(second)]) == 0
+    assert (tmp_path / "output" / "stage2" / "stage2.safetensors").is_file()

@@ -7,12 +7,13 @@ one; whichever rename comes last wins, and each of them is a whole file.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+from toolkit.errors import UserError
 
 
 def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
@@ -33,13 +34,20 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     return path
 
 
-@functools.cache
-def new_file_mode() -> int:
-    """rw for whom the process umask allows (0644 under the usual umask 022). Read once: the umask can only be
-    read by setting it."""
+def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+#: the process umask, read once when this module is imported (the umask can only be read by setting it, which must
+#: not race with other threads creating files)
+UMASK = _umask()
+
+
+def new_file_mode() -> int:
+    """rw for whom the process umask allows (0644 under the usual umask 022)."""
+    return 0o666 & ~UMASK
 
 
 def write_text_atomic(path: Path, text: str) -> Path:
@@ -52,8 +60,11 @@ def write_json_atomic(path: Path, data: dict, sort_keys: bool = True) -> Path:
 
 def write_folder_atomic(folder: Path, write: Callable[[Path], object]) -> Path:
     """`write(tmp)` fills a temporary folder next to `folder`, which then takes its place (an older one is moved
-    aside first and removed after). Files in it get the same permissions as `write_atomic`'s."""
+    aside first, removed only once the new one is in place, and put back if that fails). Files in it get the same
+    permissions as `write_atomic`'s."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file; a folder is written there: choose another name")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
@@ -68,9 +79,15 @@ def write_folder_atomic(folder: Path, write: Callable[[Path], object]) -> Path:
                 os.chmod(path, new_file_mode())
         if folder.exists():
             folder.rename(old)
-        tmp.rename(folder)
+        try:
+            tmp.rename(folder)
+        except BaseException:
+            if old.exists():
+                old.rename(folder)
+            raise
+        if old.exists():
+            shutil.rmtree(old)
     finally:
-        for leftover in (tmp, old):
-            if leftover.exists():
-                shutil.rmtree(leftover)
+        if tmp.exists():
+            shutil.rmtree(tmp)
     return folder

@@ -59,7 +59,8 @@ class BaseSDTrainProcess(BaseProcess):
         self.start()
         try:
             self.monitor.started()
-            check_paths(self.job.config, self.job.config_path)  # run.py checked already; API users get it here
+            # run.py checked already; API users get it here, and a later process sees what earlier ones wrote
+            check_paths(self.job.config, self.job.config_path, only=self.index)
             resume_from = self.folder.resume_point(cfg.train.resume, cfg.train.overwrite)
             self.setup()
             if resume_from is not None:
@@ -128,6 +129,7 @@ class BaseSDTrainProcess(BaseProcess):
             renderer.check_size(self.adapter.divisor)
         self.sampler = Sampler(renderer, self.adapter, self.placement, self.trained_module, self.mirrors,
                                acc.is_main_process, cfg.logging.debug_memory)
+        self.say_which_files()
         parts = TrainedParts(self.adapter.trainable_module(), self.adapter.files.prefix, self.optimizer,
                              self.lr_scheduler, acc.scaler)
         self.checkpoints = Checkpoints(acc, self.folder.checkpoints, cfg.save.max_step_saves_to_keep, parts,
@@ -213,10 +215,10 @@ class BaseSDTrainProcess(BaseProcess):
     def train(self) -> None:
         """Epochs of micro-batches until the plan's last update, or until every process agreed to stop."""
         self.trained_module.train()
-        if self.config.sample.sample_at_start and self.position.global_step == 0:
-            self.monitor.sample(step=0)
-        self.monitor.open_progress(self.position.global_step)
-        with GracefulStop() as signal:
+        with GracefulStop() as signal:  # from the start: a Ctrl-C during the step-0 samples stops cleanly too
+            if self.config.sample.sample_at_start and self.position.global_step == 0:
+                self.monitor.sample(step=0)
+            self.monitor.open_progress(self.position.global_step)
             while self.position.global_step < self.plan.total_updates:
                 if self.train_epoch(signal):
                     self.monitor.close_progress()
@@ -385,12 +387,28 @@ class BaseSDTrainProcess(BaseProcess):
             config=cfg.model_dump(mode="json"),
         )
 
+    def final_forms(self) -> list[str]:
+        """The primary form first, then the others `save.formats` asks for; a DoRA run also writes the diffusers
+        form, the one form every loader of it applies exactly (diffusers itself)."""
+        primary, formats = self.adapter.files.primary, list(self.config.save.formats)
+        if self.config.network.use_dora and "diffusers" not in formats:
+            formats.append("diffusers")
+        return [primary, *(f for f in formats if f != primary)]
+
+    def say_which_files(self) -> None:
+        """At the start, what the final files will be where a form cannot carry everything everywhere."""
+        if self.config.network.use_dora and self.adapter.files.primary == "comfy" and self.accelerator.is_main_process:
+            log.warning("DoRA: %s.safetensors (ComfyUI/kohya form, output-axis dora_scale) is applied exactly by "
+                        "kohya/LyCORIS, approximately by ComfyUI and Forge, and without its magnitudes by A1111 and "
+                        "diffusers; %s.diffusers.safetensors is written too, exact in diffusers", self.job.name,
+                        self.job.name)
+
     def write_final_loras(self) -> None:
         """<name>.safetensors in the family's primary form, and each other form `save.formats` lists beside it as
         <name>.<form>.safetensors, with the metadata `save.metadata` asks for."""
         files = self.adapter.files
         metadata = lora_metadata(self.training_facts(self.position.global_step), self.config.save.metadata)
-        for form in [files.primary, *(f for f in self.config.save.formats if f != files.primary)]:
+        for form in self.final_forms():
             path = self.folder.final_lora_form(form, files.primary)
             self.write_lora_form(form, path, metadata)
             log.info("saved LoRA %s (%s form)", path, form)
@@ -401,6 +419,6 @@ class BaseSDTrainProcess(BaseProcess):
         if form == "diffusers":
             write_lora_file(path, lora_state_dict(module, files.prefix, dtype), metadata, module, files.prefix, hashes)
         elif form == "peft":
-            write_peft_folder(path, module)
+            write_peft_folder(path, module, dtype)
         else:
             write_comfy_file(path, module, files, dtype, metadata, hashes)

@@ -57,7 +57,10 @@ def resolve_config_path(arg: str, config_root: Path) -> Path:
 
 
 def read_raw(path: Path) -> dict[str, Any]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read it as a UTF-8 text file: {err}") from err
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_YamlLoader)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
@@ -273,13 +276,13 @@ def validate_job(data: dict[str, Any], path: Path, process_models: typing.Mappin
     return job
 
 
-def check_paths(job: JobConfig, path: Path) -> None:
-    """The file-system checks of every process (toolkit.config.preflight), all problems at once, before any model
-    loads."""
+def check_paths(job: JobConfig, path: Path, only: int | None = None) -> None:
+    """The file-system checks of every process (or of process `only`) (toolkit.config.preflight), all problems at
+    once, before any model loads."""
     from toolkit.config.preflight import path_problems
 
     problems = [f"  config.process[{index}].{problem}" for index, process in enumerate(job.config.process)
-                for problem in path_problems(process)]
+                if only in (None, index) for problem in path_problems(process)]
     if problems:
         raise ConfigError(f"{path}: " + "\n".join(["paths not found"] + problems))
 

@@ -40,6 +40,6 @@ def path_problems(process: BaseModel) -> list[str]:
                     problems.append(str(err))
     network = getattr(process, "network", None)
     lora = getattr(network, "pretrained_lora_path", None)
-    if lora and not Path(lora).expanduser().is_file():
+    if lora and not Path(lora).expanduser().exists():  # a file, or a peft adapter folder
         problems.append(f"network.pretrained_lora_path: file not found: {lora}")
     return problems

@@ -4,6 +4,7 @@ the model registry; toolkit.config.schema assembles them with the family's `mode
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -139,6 +140,12 @@ class DatasetConfig(Section):
     @classmethod
     def _no_dot(cls, value: str) -> str:
         return value.lstrip(".")
+
+    @field_validator("folder_path", "cache_dir")
+    @classmethod
+    def _expanded(cls, value: str | None) -> str | None:
+        """`~` and `$VARS` expanded once here, so the pre-run check and the loader read the same folder."""
+        return None if value is None else os.path.expandvars(os.path.expanduser(value.strip()))
 
 
 class LRSchedulerParams(Section):

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 if TYPE_CHECKING:
     from toolkit.models.base import LoraFileFormat
 
+from toolkit.errors import UserError
 from toolkit.files import write_folder_atomic
 from toolkit.network.formats import (
     FROM_COMFY,
@@ -126,7 +127,7 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
         weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
                    for key, value in state.items() if key.startswith(prefix + ".")}
         if not weights:
-            raise ValueError(f"{path}: no adapter weights under `{prefix}.` or `{comfy_prefix}{separator}` (not an "
+            raise UserError(f"{path}: no adapter weights under `{prefix}.` or `{comfy_prefix}{separator}` (not an "
                              "adapter for this model family?)")
         modules = module_paths(weights, prefix)
         return weights, header_scales(metadata, prefix, modules) or dict.fromkeys(modules, 1.0)
@@ -217,7 +218,7 @@ def load_pretrained(module: torch.nn.Module, path: Path, files: LoraFileFormat) 
     weights, scales = read_adapter_file(path, prefix, files.comfy_prefix, files.comfy_separator, sorted(ours))
     problems = compare_lora_state(lora_state_dict(module, prefix, torch.float32), weights)
     if problems:
-        raise ValueError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets): "
+        raise UserError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets): "
                          + "; ".join(problems))
     # DoRA too: its norm is taken of W + scale B A, so folding the ratio into B is exact
     ratios = {m: scales[m] / ours[m] for m in ours}

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from toolkit.config.sections import NetworkConfig
 from toolkit.device import to_device
+from toolkit.errors import UserError
 from toolkit.files import write_atomic, write_folder_atomic
 
 #: peft adapter name of the trained adapter, and of a merged assistant LoRA while it is being merged
@@ -53,7 +54,7 @@ def select_targets(module: torch.nn.Module, cfg: NetworkConfig, linear_defaults:
                                                                                   or linear_defaults):
             linear_names.append(name)
     if not linear_names and not conv_names:
-        raise ValueError("network: no module matches the targets and filters (target_modules, only_if_contains, "
+        raise UserError("network: no module matches the targets and filters (target_modules, only_if_contains, "
                          "ignore_if_contains)")
     return linear_names, conv_names
 
@@ -84,7 +85,7 @@ def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[
         add_lora_dropouts(module, cfg.rank_dropout, cfg.module_dropout)
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("the adapter has no trainable parameters (check network.target_modules)")
+        raise UserError("the adapter has no trainable parameters (check network.target_modules)")
     for param in params:
         param.data = param.data.float()
     return params
@@ -151,13 +152,13 @@ def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[s
                       kohya_hashes)
 
 
-def write_peft_folder(folder: Path, module: torch.nn.Module) -> None:
+def write_peft_folder(folder: Path, module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
     """The adapter as peft's own save_pretrained writes it (adapter_config.json, adapter_model.safetensors with
     `base_model.model.` keys), so that `PeftModel.from_pretrained(<the trained module's base>, folder)` loads it."""
     from peft.utils import SAFETENSORS_WEIGHTS_NAME
 
     config = copy.deepcopy(module.peft_config[ADAPTER])
-    state = {f"base_model.model.{key}": value.detach().to("cpu").contiguous()
+    state = {f"base_model.model.{key}": value.detach().to("cpu", dtype).contiguous()
              for key, value in get_peft_model_state_dict(module).items()}
 
     def write(tmp: Path) -> None:

@@ -84,11 +84,11 @@ def kohya_keys(facts: TrainingFacts, base_model: str) -> dict[str, str]:
         args |= {"conv_dim": str(facts.conv_rank), "conv_alpha": str(facts.conv_alpha or facts.conv_rank)}
     if facts.network_type != "lora":
         args["algo"] = facts.network_type
-    if facts.use_dora:
-        args["dora_wd"] = "True"
+    if facts.use_dora:  # kohya's networks.lora has no DoRA: LyCORIS's module, which applies dora_scale
+        args |= {"algo": "locon" if facts.conv_rank is not None else "lora", "dora_wd": "True"}
     keys = {
         "ss_output_name": facts.name,
-        "ss_network_module": NETWORK_MODULES[facts.network_type],
+        "ss_network_module": "lycoris.kohya" if facts.use_dora else NETWORK_MODULES[facts.network_type],
         "ss_network_dim": str(facts.rank),
         "ss_network_alpha": str(float(facts.alpha)),
         "ss_base_model_version": facts.kohya_base_model,
@@ -161,14 +161,21 @@ def reduce_path(value: str) -> str:
     return _without_home(text)
 
 
-def private_config(config: Any) -> Any:
-    """The config with every local path reduced (`reduce_path`) and the home folder gone from every string."""
+#: config keys whose values are paths (in any section): reduced to their last component in private headers
+PATH_KEYS = frozenset({"folder_path", "cache_dir", "training_folder", "name_or_path", "single_file_config",
+                       "image_encoder_path", "decoder_name_or_path", "assistant_lora_path", "pretrained_lora_path",
+                       "vae_name_or_path", "resume"})
+
+
+def private_config(config: Any, key: str | None = None) -> Any:
+    """The config with the values of path keys reduced (`reduce_path`) and the home folder gone from every other
+    string (prompts and captions stay as written, slashes included)."""
     if isinstance(config, dict):
-        return {key: private_config(value) for key, value in config.items()}
+        return {name: private_config(value, name) for name, value in config.items()}
     if isinstance(config, list):
-        return [private_config(value) for value in config]
+        return [private_config(value, key) for value in config]
     if isinstance(config, str):
-        return reduce_path(config)
+        return reduce_path(config) if key in PATH_KEYS else _without_home(config)
     return config
 
 

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from toolkit.config.sections import SampleConfig
 from toolkit.data.captions import apply_trigger
 from toolkit.device import ModulePlacement, flush, memory_debug, modules_on
+from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter
 
@@ -34,7 +35,7 @@ class SampleRenderer:
         for key in ("width", "height"):
             value = getattr(self.cfg, key)
             if value % divisor:
-                raise ValueError(f"sample.{key} ({value}) must be a multiple of {divisor} for this model")
+                raise UserError(f"sample.{key} ({value}) must be a multiple of {divisor} for this model")
 
     def reproduction(self, pipe, prompt: str, seed: int, guidance: float, step: int) -> dict:
         """What a sample's PNG text records: enough to render it again in diffusers (docs/networks.md): the
