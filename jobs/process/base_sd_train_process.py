@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -363,13 +364,23 @@ class BaseSDTrainProcess(BaseProcess):
         """A checkpoint's LoRA header: the full config (a checkpoint is the run's own memory, not for sharing)."""
         return lora_metadata(self.training_facts(step), level="full")
 
+    @cached_property
+    def dataset_facts(self) -> tuple[dict[str, dict[str, int]], int, int]:
+        """Tag frequency per dataset folder, training and regularisation images (x repeats): the same for the
+        whole run, so counted once rather than at every checkpoint."""
+        datasets = self.config.datasets
+        records = {(item.dataset, item.record.path): item.record for item in self.data.dataset.items}
+        per_dataset = [[r for (index, _), r in records.items() if index == i] for i in range(len(datasets))]
+        images = [(len(per_dataset[i]) * d.num_repeats, d.is_reg) for i, d in enumerate(datasets)]
+        tags = tag_frequency((Path(d.folder_path).name, [r.caption for r in per_dataset[i]])
+                             for i, d in enumerate(datasets))
+        return tags, sum(n for n, reg in images if not reg), sum(n for n, reg in images if reg)
+
     def training_facts(self, step: int) -> TrainingFacts:
         """What the LoRA files' metadata says about this run (toolkit.network.metadata)."""
-        cfg, adapter, data = self.config, self.adapter, self.data
+        cfg, adapter = self.config, self.adapter
         described = adapter.describe()
-        records = {(item.dataset, item.record.path): item.record for item in data.dataset.items}
-        per_dataset = [[r for (index, _), r in records.items() if index == i] for i in range(len(cfg.datasets))]
-        images = [(len(per_dataset[i]) * d.num_repeats, d.is_reg) for i, d in enumerate(cfg.datasets)]
+        tags, train_images, reg_images = self.dataset_facts
         return TrainingFacts(
             name=self.job.name, arch=adapter.arch, base_model=described.get("base_model", cfg.model.name_or_path),
             network_type=cfg.network.type, rank=cfg.network.linear, alpha=cfg.network.linear_alpha,
@@ -378,11 +389,10 @@ class BaseSDTrainProcess(BaseProcess):
             modelspec_architecture=adapter.files.modelspec_architecture,
             prediction_type=adapter.noise_schedule.prediction_type,
             resolution=max(max(d.resolution) for d in cfg.datasets),
-            num_train_images=sum(n for n, reg in images if not reg), num_reg_images=sum(n for n, reg in images if reg),
+            num_train_images=train_images, num_reg_images=reg_images,
             num_epochs=self.plan.epochs, epoch=min(self.position.epoch + 1, self.plan.epochs) if step else 0,
             steps=step, learning_rate=cfg.train.lr,
-            tag_frequency=tag_frequency((Path(d.folder_path).name, [r.caption for r in per_dataset[i]])
-                                        for i, d in enumerate(cfg.datasets)),
+            tag_frequency=tags,
             started_at=self.checkpoints.started_at, finished_at=time.time(), trigger_word=cfg.trigger_word,
             config=cfg.model_dump(mode="json"),
         )

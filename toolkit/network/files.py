@@ -16,13 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 if TYPE_CHECKING:
     from toolkit.models.base import LoraFileFormat
 
 from toolkit.errors import UserError
-from toolkit.files import write_folder_atomic
 from toolkit.network.formats import (
     FROM_COMFY,
     from_comfy,
@@ -31,10 +29,14 @@ from toolkit.network.formats import (
     to_comfy,
 )
 from toolkit.network.lora import (
+    PEFT_CONFIG,
+    PEFT_KEY_PREFIX,
+    PEFT_WEIGHTS,
     compare_lora_state,
     load_lora_state,
     lora_state_dict,
     module_scales,
+    save_peft_folder,
     write_safetensors,
 )
 
@@ -146,9 +148,6 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
     return weights, comfy_scales(weights, prefix, named)
 
 
-PEFT_WEIGHTS, PEFT_CONFIG, PEFT_KEY_PREFIX = "adapter_model.safetensors", "adapter_config.json", "base_model.model."
-
-
 def read_peft_folder(folder: Path, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A peft adapter folder as a diffusers-form state under `prefix` and a header holding its config."""
     config_path, weights_path = folder / PEFT_CONFIG, folder / PEFT_WEIGHTS
@@ -175,14 +174,9 @@ def write_peft_form(folder: Path, weights: dict[str, torch.Tensor], prefix: str,
         r=max(ranks.values()), lora_alpha=max(ranks.values()), target_modules=modules,
         rank_pattern={m: r for m, r in ranks.items()}, alpha_pattern={m: scales[m] * ranks[m] for m in modules},
         use_dora=any(key.endswith(".lora_magnitude_vector") for key in weights))
-    state = {PEFT_KEY_PREFIX + key[len(prefix) + 1:].replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B."):
-             value.contiguous() for key, value in weights.items()}
-
-    def write(tmp: Path) -> None:
-        config.save_pretrained(str(tmp))
-        save_file(state, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
-
-    write_folder_atomic(folder, write)
+    state = {key[len(prefix) + 1:].replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B."): value
+             for key, value in weights.items()}
+    save_peft_folder(folder, config, state)
 
 
 def comfy_ready(weights: dict[str, torch.Tensor], prefix: str, scales: dict[str, float]

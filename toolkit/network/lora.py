@@ -152,20 +152,27 @@ def write_lora_file(path: Path, state: dict[str, torch.Tensor], metadata: dict[s
                       kohya_hashes)
 
 
-def write_peft_folder(folder: Path, module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
-    """The adapter as peft's own save_pretrained writes it (adapter_config.json, adapter_model.safetensors with
-    `base_model.model.` keys), so that `PeftModel.from_pretrained(<the trained module's base>, folder)` loads it."""
-    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+#: peft's adapter folder: what PeftModel.save_pretrained writes and from_pretrained reads
+PEFT_WEIGHTS, PEFT_CONFIG, PEFT_KEY_PREFIX = "adapter_model.safetensors", "adapter_config.json", "base_model.model."
 
-    config = copy.deepcopy(module.peft_config[ADAPTER])
-    state = {f"base_model.model.{key}": value.detach().to("cpu", dtype).contiguous()
-             for key, value in get_peft_model_state_dict(module).items()}
+
+def save_peft_folder(folder: Path, config: PeftConfig, state: dict[str, torch.Tensor]) -> None:
+    """A peft adapter folder from its config and its weights under peft's module names (without the
+    `base_model.model.` prefix PeftModel adds), written atomically."""
+    prefixed = {PEFT_KEY_PREFIX + key: value.contiguous() for key, value in state.items()}
 
     def write(tmp: Path) -> None:
         config.save_pretrained(str(tmp))
-        save_file(state, str(tmp / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(prefixed, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
 
     write_folder_atomic(folder, write)
+
+
+def write_peft_folder(folder: Path, module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """The trained adapter as peft's own save_pretrained writes it, so that
+    `PeftModel.from_pretrained(<the trained module's base>, folder)` loads it."""
+    state = {key: value.detach().to("cpu", dtype) for key, value in get_peft_model_state_dict(module).items()}
+    save_peft_folder(folder, copy.deepcopy(module.peft_config[ADAPTER]), state)
 
 
 def merge_lora_state(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str,

@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from toolkit.config.preflight import PATH_KEYS as MODEL_PATH_KEYS
 from toolkit.paths import looks_local
 
 #: the model spec version kohya sd-scripts writes
@@ -162,9 +163,8 @@ def reduce_path(value: str) -> str:
 
 
 #: config keys whose values are paths (in any section): reduced to their last component in private headers
-PATH_KEYS = frozenset({"folder_path", "cache_dir", "training_folder", "name_or_path", "single_file_config",
-                       "image_encoder_path", "decoder_name_or_path", "assistant_lora_path", "pretrained_lora_path",
-                       "vae_name_or_path", "resume"})
+PATH_KEYS = frozenset({*MODEL_PATH_KEYS, "folder_path", "cache_dir", "training_folder", "pretrained_lora_path",
+                       "resume"})
 
 
 def private_config(config: Any, key: str | None = None) -> Any:
