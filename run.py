@@ -180,7 +180,10 @@ def convert_lora(args: argparse.Namespace) -> int:
             raise ValueError(f"{source}: its header does not name the model family; give --arch")
         family = get_adapter_class(arch)
         names = None
-        if family.files.comfy_separator == "_" and is_comfy_file(source, family.files):
+        # kohya names are flattened (reading them needs the real module names); some families' kohya names also
+        # follow another module layout (writing them needs the model's structure)
+        relayout = args.to == "comfy" and family.files.comfy_renames is not None
+        if family.files.comfy_separator == "_" and (is_comfy_file(source, family.files) or relayout):
             model = args.model or header.get("difftune_base_model")
             if not model:
                 raise ValueError(f"{source}: kohya names need the model's module names; give --model")

@@ -1,7 +1,7 @@
 """Full-size speed and memory on a CUDA machine: random-init models with the real architectures, trained for a
 few dozen updates through difftune's real job path, so the figures compare with published ones.
 
-    python -m benchmarks.full_size                          # SD 1.5 at 512 px, then Z-Image at 1024 px
+    python -m benchmarks.full_size                          # SD 1.5 at 512 px, SDXL and Z-Image at 1024 px
     python -m benchmarks.full_size --models zimage --updates 40 --json zimage.json
     python -m benchmarks.full_size --size tiny --device cpu # the same path on the tiny presets (a smoke test)
 
@@ -60,6 +60,37 @@ SD15_FULL = {
     "seed": 0,
 }
 
+#: SDXL base 1.0's UNet, VAE and text encoders (CLIP ViT-L/14 and OpenCLIP bigG, stabilityai/stable-diffusion-xl-base-1.0
+#: configs)
+SDXL_FULL = {
+    "unet": dict(
+        sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), use_linear_projection=True,
+        cross_attention_dim=2048, addition_embed_type="text_time", addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816, norm_num_groups=32,
+    ),
+    "vae": dict(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, norm_num_groups=32,
+        block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, sample_size=1024, scaling_factor=0.13025, force_upcast=True,
+    ),
+    "text_encoder": dict(
+        hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+        max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+    ),
+    "text_encoder_2": dict(
+        hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
+        max_position_embeddings=77, projection_dim=1280, hidden_act="gelu",
+    ),
+    "scheduler": dict(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        prediction_type="epsilon", clip_sample=False, steps_offset=1, timestep_spacing="leading",
+    ),
+    "seed": 0,
+}
+
 #: Z-Image's 6B transformer (diffusers' defaults are Tongyi-MAI/Z-Image's config), the Flux VAE, and a
 #: Qwen3-4B-wide text encoder with 4 of its 36 layers (see the module docstring)
 ZIMAGE_FULL = {
@@ -87,12 +118,15 @@ ZIMAGE_FULL = {
 def presets(size: str) -> dict[str, dict]:
     """Per model: its preset, the builder, the training resolution and the model keys of the job."""
     from toolkit.models.sd15.tiny import TINY_SD15, build_sd15
+    from toolkit.models.sdxl.tiny import TINY_SDXL, build_sdxl
     from toolkit.models.zimage.tiny import TINY_ZIMAGE, build_zimage
 
     full = size == "full"
     return {
         "sd15": {"preset": SD15_FULL if full else TINY_SD15, "build": build_sd15, "resolution": 512 if full else 64,
                  "model": {"arch": "sd15"}},
+        "sdxl": {"preset": SDXL_FULL if full else TINY_SDXL, "build": build_sdxl, "resolution": 1024 if full else 64,
+                 "model": {"arch": "sdxl"}},
         "zimage": {"preset": ZIMAGE_FULL if full else TINY_ZIMAGE, "build": build_zimage,
                    "resolution": 1024 if full else 64,
                    "model": {"arch": "zimage", "quantize": True, "qtype": "qfloat8"}},
@@ -235,7 +269,7 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["sd15", "zimage"], choices=["sd15", "zimage"])
+    parser.add_argument("--models", nargs="+", default=["sd15", "sdxl", "zimage"], choices=["sd15", "sdxl", "zimage"])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--updates", type=int, default=30)

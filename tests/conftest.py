@@ -28,6 +28,13 @@ def tiny_sd15(tiny_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sdxl(tiny_cache) -> Path:
+    from toolkit.models.sdxl.tiny import ensure_tiny_sdxl
+
+    return ensure_tiny_sdxl()
+
+
+@pytest.fixture(scope="session")
 def registry():
     from jobs.registry import build_registry
 

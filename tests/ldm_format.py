@@ -111,3 +111,58 @@ def save_as_ldm_checkpoint(folder: Path, out_file: Path) -> Path:
                   for k, v in text.items()})
     save_file({k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}, str(out_file))
     return out_file
+
+
+def sgm_unet(state: dict) -> dict:
+    """An SDXL diffusers UNet's weights in the original (SGM) layout, by the family's own module map."""
+    from toolkit.models.sdxl.names import sgm_unet_renames
+    from toolkit.network.formats import renamed
+
+    modules = sorted({key.rsplit(".", 1)[0] for key in state})
+    parents = sorted({".".join(m.split(".")[:n]) for m in modules for n in range(1, m.count(".") + 2)})
+    renames = sgm_unet_renames(parents)
+    out = {}
+    for key, value in state.items():
+        module, weight = key.rsplit(".", 1)
+        out[f"model.diffusion_model.{renamed(module, renames)}.{weight}"] = value
+    return out
+
+
+def open_clip(state: dict, prefix: str) -> dict:
+    """A transformers CLIPTextModelWithProjection's weights in OpenCLIP's layout (SDXL's second text encoder)."""
+    out = {
+        f"{prefix}positional_embedding": state["text_model.embeddings.position_embedding.weight"],
+        f"{prefix}token_embedding.weight": state["text_model.embeddings.token_embedding.weight"],
+        f"{prefix}ln_final.weight": state["text_model.final_layer_norm.weight"],
+        f"{prefix}ln_final.bias": state["text_model.final_layer_norm.bias"],
+        f"{prefix}text_projection": state["text_projection.weight"].T.contiguous(),
+    }
+    layers = sorted({int(k.split(".")[3]) for k in state if k.startswith("text_model.encoder.layers.")})
+    parts = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
+             "self_attn.out_proj": "attn.out_proj"}
+    for n in range(layers[-1] + 1):
+        ours, theirs = f"text_model.encoder.layers.{n}.", f"{prefix}transformer.resblocks.{n}."
+        for kind in ("weight", "bias"):
+            out[f"{theirs}attn.in_proj_{kind}"] = torch.cat(
+                [state[f"{ours}self_attn.{p}_proj.{kind}"] for p in ("q", "k", "v")])
+            for part, their_part in parts.items():
+                out[f"{theirs}{their_part}.{kind}"] = state[f"{ours}{part}.{kind}"]
+    return out
+
+
+def save_as_sgm_checkpoint(folder: Path, out_file: Path) -> Path:
+    """An SDXL diffusers folder as one original-layout checkpoint (what fine-tunes such as Pony ship as)."""
+    def part(name: str) -> tuple[dict, dict]:
+        config = json.loads((folder / name / "config.json").read_text())
+        weights = next((folder / name).glob("*.safetensors"))
+        return load_file(str(weights)), config
+
+    unet, _ = part("unet")
+    vae, vae_cfg = part("vae")
+    text, _ = part("text_encoder")
+    text_2, _ = part("text_encoder_2")
+    state = {**sgm_unet(unet), **convert_vae(vae, vae_cfg), **open_clip(text_2, "conditioner.embedders.1.model.")}
+    state.update({f"conditioner.embedders.0.transformer.text_model.{k.removeprefix('text_model.')}": v
+                  for k, v in text.items()})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_file))
+    return out_file

@@ -74,7 +74,7 @@ def test_latent_cache_hits_unchanged_images_and_reencodes_replaced_ones(tmp_path
     assert len(encoded) == 3 and len(list((tmp_path / "_difftune_cache" / "latents").glob("*.safetensors"))) == 3
     from toolkit.data.dataset import load_pixels
     direct = original(load_pixels(dataset.items[0]).unsqueeze(0))
-    assert torch.equal(cache.get(0).mean, direct.mean[0]) and torch.equal(cache.get(0).std, direct.std[0])
+    assert torch.equal(cache.get(0)[0].mean, direct.mean[0]) and torch.equal(cache.get(0)[0].std, direct.std[0])
 
     encoded.clear()
     _, again = latent_cache_for(tmp_path, adapter)
@@ -86,7 +86,7 @@ def test_latent_cache_hits_unchanged_images_and_reencodes_replaced_ones(tmp_path
     changed.build(adapter, SOLO)
     assert len(encoded) == 1
     assert changed.keys[1] != again.keys[1] and changed.keys[0] == again.keys[0]
-    assert not torch.equal(changed.get(1).mean, again.get(1).mean)
+    assert not torch.equal(changed.get(1)[0].mean, again.get(1)[0].mean)
 
 
 def test_encoder_identity_follows_the_weights(adapter):
@@ -113,7 +113,7 @@ def test_copies_and_repeats_share_entries_and_every_copy_reads_back(tmp_path, ad
     cache = LatentCache(dataset, roots, {0: True, 1: True, 2: False}, adapter.encoder_identity("image"))
     cache.build(adapter, SOLO)
     assert len(encoded) == 3  # one per cache folder, and one for the three in-memory repeats
-    assert all(torch.equal(cache.get(i).mean, cache.get(0).mean) for i in range(len(dataset)))
+    assert all(torch.equal(cache.get(i)[0].mean, cache.get(0)[0].mean) for i in range(len(dataset)))
 
 
 def test_partly_written_cache_files_are_never_read(tmp_path, adapter):
@@ -122,7 +122,7 @@ def test_partly_written_cache_files_are_never_read(tmp_path, adapter):
     cache.path(0).parent.mkdir(parents=True)
     (cache.path(0).parent / f".{cache.path(0).name}.123.tmp").write_bytes(b"half")
     cache.build(adapter, SOLO)
-    assert cache.get(0).mean.shape == (4, 8, 8)
+    assert cache.get(0)[0].mean.shape == (4, 8, 8)
 
 
 def text_cache_for(tmp_path, adapter, shuffle: bool, trigger: str | None = "sks", captions=("a, b, c, d",)):

@@ -143,7 +143,7 @@ def test_cross_field_checks(tmp_path, registry):
 
 
 def test_unknown_arch_and_device_are_config_errors(tmp_path, registry):
-    process = trainer_process(tmp_path, device="gpu", model={"arch": "sdxl"})
+    process = trainer_process(tmp_path, device="gpu", model={"arch": "sdxxl"})
     path = write_job(tmp_path / "job.yaml", "x", process)
     with pytest.raises(ConfigError) as err:
         load_config(str(path), registry)
@@ -187,12 +187,12 @@ def test_model_keys_are_those_of_the_chosen_family(tmp_path, registry):
 
 
 def test_unknown_and_missing_arch_name_the_known_families(tmp_path, registry):
-    assert "model.arch: unknown arch 'sdxl' (known: sd15, wuerstchen, zimage)" in _error(
-        tmp_path, registry, model={"arch": "sdxl", "name_or_path": "x"})
+    assert "model.arch: unknown arch 'sdxxl' (known: sd15, sdxl, wuerstchen, zimage)" in _error(
+        tmp_path, registry, model={"arch": "sdxxl", "name_or_path": "x"})
     process = trainer_process(tmp_path)
     process["model"] = {"name_or_path": "tiny"}
     path = write_job(tmp_path / "job2.yaml", "y", process)
-    with pytest.raises(ConfigError, match=r"model.arch: required key is missing \(one of: sd15, wuerstchen, zimage\)"):
+    with pytest.raises(ConfigError, match=r"model.arch: required key is missing \(one of: sd15, sdxl, wuerstchen, zimage\)"):
         load_config(str(path), registry)
 
 

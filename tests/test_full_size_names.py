@@ -10,21 +10,22 @@ from diffusers import UNet2DConditionModel, ZImageTransformer2DModel
 from diffusers.loaders.lora_conversion_utils import (
     _convert_non_diffusers_lora_to_diffusers,
     _convert_non_diffusers_z_image_lora_to_diffusers,
+    _maybe_map_sgm_blocks_to_diffusers,
 )
 from diffusers.utils import convert_unet_state_dict_to_peft
 
-from benchmarks.full_size import SD15_FULL, ZIMAGE_FULL
+from benchmarks.full_size import SD15_FULL, SDXL_FULL, ZIMAGE_FULL
 from toolkit.config.sections import NetworkConfig
 from toolkit.models.registry import get_adapter_class
-from toolkit.network.files import comfy_ready
+from toolkit.network.files import comfy_ready, layout_renames, module_names
 from toolkit.network.formats import to_comfy
 from toolkit.network.lora import adapter_layers, add_lora, lora_state_dict, module_scales
 
 
 def full_size(arch: str) -> torch.nn.Module:
     with torch.device("meta"):
-        if arch == "sd15":
-            return UNet2DConditionModel(**SD15_FULL["unet"])
+        if arch in ("sd15", "sdxl"):
+            return UNet2DConditionModel(**{"sd15": SD15_FULL, "sdxl": SDXL_FULL}[arch]["unet"])
         return ZImageTransformer2DModel(**ZIMAGE_FULL["transformer"])
 
 
@@ -45,7 +46,8 @@ def primary_state(arch: str, network: NetworkConfig) -> tuple[torch.nn.Module, d
     files = family.files
     weights, alphas = comfy_ready(lora_state_dict(module, files.prefix, torch.float32), files.prefix,
                                   module_scales(module))
-    state = to_comfy(weights, {files.prefix: files.comfy_prefix}, alphas.__getitem__, files.comfy_separator)
+    renames = {files.prefix: layout_renames(files, module_names(module))}
+    state = to_comfy(weights, {files.prefix: files.comfy_prefix}, alphas.__getitem__, files.comfy_separator, renames)
     return module, state, sorted(adapter_layers(module))
 
 
@@ -73,6 +75,33 @@ def test_sd15_primary_names_are_kohyas_for_the_full_size_unet():
     assert all(path in names for path in back)
 
 
+def test_sdxl_primary_names_are_kohyas_for_the_full_size_unet():
+    """kohya trains SDXL on the original UNet and names its modules by it (`input_blocks` / `middle_block` /
+    `output_blocks`); ComfyUI, A1111/Forge and diffusers read those names. Every linear layer of SDXL's 70
+    transformer blocks and 11 transformer models (kohya's 722 UNet modules) and the LoCon convs."""
+    network = NetworkConfig(linear=4, linear_alpha=4, conv=2, conv_alpha=1)
+    module, state, adapted = primary_state("sdxl", network)
+    linear = [path for path in adapted if "attentions" in path]
+    assert len(linear) == 722
+    named = modules_named(state)
+    for kohya in ("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+                  "lora_unet_input_blocks_8_1_transformer_blocks_9_ff_net_2",
+                  "lora_unet_middle_block_1_transformer_blocks_9_attn2_to_out_0",
+                  "lora_unet_middle_block_1_proj_in",
+                  "lora_unet_output_blocks_0_1_transformer_blocks_9_ff_net_0_proj",
+                  "lora_unet_output_blocks_5_1_proj_out",
+                  "lora_unet_input_blocks_1_0_in_layers_2", "lora_unet_input_blocks_3_0_op",
+                  "lora_unet_output_blocks_2_2_conv", "lora_unet_output_blocks_8_0_skip_connection"):
+        assert kohya in named, kohya
+    assert not any("down_blocks" in name or "up_blocks" in name for name in named)
+    # what StableDiffusionXLPipeline.load_lora_weights does: block numbers remapped by the UNet's config, then renamed
+    remapped = _maybe_map_sgm_blocks_to_diffusers(dict(state), module.config)
+    converted, alphas = _convert_non_diffusers_lora_to_diffusers(remapped)
+    unet = convert_unet_state_dict_to_peft({k.removeprefix("unet."): v for k, v in converted.items()})
+    back = {key.rsplit(".lora_", 1)[0] for key in unet}
+    assert back == set(adapted) and len(alphas) == len(adapted)
+
+
 def test_zimage_primary_names_are_comfyuis_for_the_full_size_transformer():
     """ComfyUI maps Z-Image LoRAs by `diffusion_model.<diffusers module path>` (to_q/to_k/to_v onto its fused
     qkv); diffusers' Z-Image converter reads the same names back to the transformer's modules."""
@@ -90,6 +119,6 @@ def test_zimage_primary_names_are_comfyuis_for_the_full_size_transformer():
     assert all(path in names for path in back)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "zimage"])
+@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage"])
 def test_the_primary_form_is_the_comfy_form_for_these_families(arch):
     assert get_adapter_class(arch).files.primary == "comfy"

@@ -240,7 +240,7 @@ class FakeAdapter:
     def latents_from_dist(self, dist: LatentDist, generator=None):
         return dist.mean.float()
 
-    def predict(self, noisy, timesteps, embeds, module=None):
+    def predict(self, noisy, timesteps, embeds, module=None, image_sizes=None):
         module = module or self.module
         self.predicted_in_training_mode.append(module.training)
         flat = noisy.reshape(noisy.shape[0], -1)[:, :8] + embeds.embeds.reshape(embeds.embeds.shape[0], -1)[:, :8]
@@ -277,7 +277,7 @@ def test_blank_prompt_base_pass_has_no_dropout_and_leaves_the_rng_alone():
     noisy, timesteps = torch.ones(2, 8, 1, 1), torch.tensor([500.0, 500.0])
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    loss = objective.blank_prompt_loss(noisy, timesteps, torch.zeros(2, 8, 1, 1))
+    loss = objective.blank_prompt_loss(noisy, timesteps, torch.zeros(2, 8, 1, 1), None)
     assert torch.equal(torch.get_rng_state(), state)
     assert adapter.predicted_in_training_mode == [False] and adapter.module.training
     adapter.module.disable_adapters()

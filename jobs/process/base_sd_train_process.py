@@ -145,6 +145,8 @@ class BaseSDTrainProcess(BaseProcess):
             adapter = get_adapter_class(cfg.model.arch).load(
                 cfg.model, acc.device, torch_dtype(cfg.model.dtype, acc.device),
                 debug_memory=cfg.logging.debug_memory, sampling_models=acc.is_main_process)
+        if cfg.train.zero_terminal_snr:
+            adapter.use_zero_terminal_snr()
         if cfg.train.gradient_checkpointing:
             adapter.trainable_module().enable_gradient_checkpointing()
         log.info("model: %s", adapter.describe())
@@ -394,7 +396,7 @@ class BaseSDTrainProcess(BaseProcess):
             steps=step, learning_rate=cfg.train.lr,
             tag_frequency=tags,
             started_at=self.checkpoints.started_at, finished_at=time.time(), trigger_word=cfg.trigger_word,
-            config=cfg.model_dump(mode="json"),
+            config=cfg.model_dump(mode="json"), zero_terminal_snr=cfg.train.zero_terminal_snr,
         )
 
     def final_forms(self) -> list[str]:

@@ -71,6 +71,11 @@ class SDTrainerConfig(Section):
         if self.sample.prompts and facts.sampling_needs and getattr(self.model, facts.sampling_needs) is None:
             problems.append(f"sample.prompts: {arch} renders sample images through another model: set "
                             f"model.{facts.sampling_needs}, or remove sample.prompts")
+        if self.train.zero_terminal_snr and not facts.ddpm_noise:
+            problems.append(f"train.zero_terminal_snr: the {arch} family ({facts.title}) has no DDPM noise schedule to "
+                            "rescale; remove it")
+        if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
+            problems.append(f"sample.guidance_rescale: the {arch} sampling pipeline has no guidance rescale; remove it")
         if problems:
             raise ValueError("; ".join(problems))
         return self

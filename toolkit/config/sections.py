@@ -227,6 +227,9 @@ class ObjectiveSection(Section):
                                             "blank-prompt term (it costs a second forward pass).")
     differential_guidance_scale: float | None = Field(
         None, gt=0, description="Train toward pred + s (target - pred): s > 1 pushes further toward the target.")
+    zero_terminal_snr: bool = Field(False, description="DDPM families (sd15, sdxl): rescale the betas so the last "
+                                    "timestep is pure noise (zero terminal SNR), in training and in samples (trailing "
+                                    "timesteps); what v-prediction fine-tunes are trained with.")
 
 
 class RuntimeSection(Section):
@@ -355,6 +358,10 @@ class SampleConfig(Section):
     width: int = Field(512, ge=8, description="Sample width in pixels (a multiple of the model's divisor).")
     height: int = Field(512, ge=8, description="Sample height in pixels (a multiple of the model's divisor).")
     sample_at_start: bool = Field(False, description="Also render a baseline before the first update.")
+    guidance_rescale: float | None = Field(None, ge=0, le=1, description="Rescale the guided prediction toward the "
+                                           "conditional one's spread (0.7 is usual with v-prediction and zero "
+                                           "terminal SNR); families whose pipeline takes it (sd15, sdxl).",
+                                           json_schema_extra=aka("cfg_rescale"))
 
 
 class LoggingConfig(Section):

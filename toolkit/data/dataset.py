@@ -88,19 +88,41 @@ def items_for_dataset(records: list[ImageRecord], cfg: DatasetConfig, divisor: i
     return items * cfg.num_repeats
 
 
+@dataclass(frozen=True)
+class CropPlan:
+    """How an image becomes its bucket: resized to cover it, then centre-cropped."""
+
+    resized: tuple[int, int]  # width, height after resizing
+    left: int
+    top: int
+
+
+def crop_plan(width: int, height: int, bucket: tuple[int, int]) -> CropPlan:
+    target_w, target_h = bucket
+    scale = max(target_w / width, target_h / height)
+    resized = (max(target_w, round(width * scale)), max(target_h, round(height * scale)))
+    return CropPlan(resized, (resized[0] - target_w) // 2, (resized[1] - target_h) // 2)
+
+
+def image_sizes(item: TrainItem) -> torch.Tensor:
+    """The item's size facts as SDXL conditions on them (its `add_time_ids`): original height and width, the
+    crop's top and left in the resized image, target height and width. int64, shape [6]."""
+    plan = crop_plan(item.record.width, item.record.height, item.bucket)
+    target_w, target_h = item.bucket
+    return torch.tensor([item.record.height, item.record.width, plan.top, plan.left, target_h, target_w])
+
+
 def load_pixels(item: TrainItem) -> torch.Tensor:
-    """The image resized to cover its bucket and centre-cropped to it; CHW float in [-1, 1]."""
+    """The image resized to cover its bucket and centre-cropped to it (`crop_plan`); CHW float in [-1, 1]."""
     target_w, target_h = item.bucket
     try:
         with Image.open(item.record.path) as opened:
             image = ImageOps.exif_transpose(opened).convert("RGB")
     except Exception as err:
         raise DatasetError(f"cannot read image {item.record.path}: {err}") from err
-    scale = max(target_w / image.width, target_h / image.height)
-    resized = (max(target_w, round(image.width * scale)), max(target_h, round(image.height * scale)))
-    image = image.resize(resized, Image.Resampling.BICUBIC)
-    left, top = (resized[0] - target_w) // 2, (resized[1] - target_h) // 2
-    image = image.crop((left, top, left + target_w, top + target_h))
+    plan = crop_plan(image.width, image.height, item.bucket)
+    image = image.resize(plan.resized, Image.Resampling.BICUBIC)
+    image = image.crop((plan.left, plan.top, plan.left + target_w, plan.top + target_h))
     array = np.asarray(image, dtype=np.float32)
     return torch.from_numpy(array).permute(2, 0, 1).div(127.5).sub(1.0)
 
@@ -109,7 +131,8 @@ class ImageDataset(torch.utils.data.Dataset):
     """All datasets of a job as one list of items; batches are formed by the bucket sampler.
 
     With a latent cache attached, covered items come as the cached latent distribution instead of pixels
-    (no image is decoded); a batch never mixes the two (see `bucket_keys`).
+    (no image is decoded); a batch never mixes the two (see `bucket_keys`). Every sample carries its
+    `image_sizes`: from the cache entry when cached (what its latent was made from), else from the crop plan.
     """
 
     def __init__(self, items: list[TrainItem]):
@@ -123,12 +146,14 @@ class ImageDataset(torch.utils.data.Dataset):
         item = self.items[index]
         sample = {"caption": item.record.caption, "index": index}
         if self.latents is not None and self.latents.covers(index):
-            dist = self.latents.get(index)
+            dist, sizes = self.latents.get(index)
             sample["latent_mean"] = dist.mean
             if dist.std is not None:
                 sample["latent_std"] = dist.std
+            sample["image_sizes"] = sizes
         else:
             sample["pixels"] = load_pixels(item)
+            sample["image_sizes"] = image_sizes(item)
         return sample
 
     def bucket_keys(self) -> list[tuple]:
@@ -147,7 +172,7 @@ def collate(samples: list[dict]) -> dict:
     """Stack a batch; every sample must have the same fields and tensor shapes (one bucket)."""
     # indices stay a list: a tensor would be sent to the device with the batch and read back from it
     batch = {"captions": [s["caption"] for s in samples], "indices": [s["index"] for s in samples]}
-    for field in ("pixels", "latent_mean", "latent_std"):
+    for field in ("pixels", "latent_mean", "latent_std", "image_sizes"):
         present = [s[field] for s in samples if field in s]
         if not present:
             continue

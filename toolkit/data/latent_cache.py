@@ -3,7 +3,8 @@
 A cache key is a hash of the image file's bytes, the variant (bucket size and crop) and the encoder's
 identity (model path, dtype and config), so replacing an image under the same name, or changing the
 model, is a cache miss instead of a stale latent. Entries store the encoder's mean and std, not a
-sample, so every epoch still draws its own latent sample as an uncached run does.
+sample, so every epoch still draws its own latent sample as an uncached run does, and the image's size facts
+(original size, crop, target size: SDXL's conditioning) as the encoded pixels were made.
 
 On disk: `<cache_dir>/latents/<key>.safetensors`, written under a temporary name and renamed, so a
 partly written file is never read. In memory: every process encodes every image it may be given.
@@ -15,10 +16,11 @@ import hashlib
 import logging
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from toolkit.data.dataset import ImageDataset, TrainItem, load_pixels
+from toolkit.data.dataset import ImageDataset, TrainItem, image_sizes, load_pixels
 from toolkit.files import write_atomic
 from toolkit.models.base import LatentDist, ModelAdapter
 
@@ -46,7 +48,7 @@ class LatentCache:
         self.roots = roots  # dataset index -> cache folder, for the datasets that cache
         self.to_disk = to_disk
         self.identity = identity
-        self.memory: dict[str, LatentDist] = {}  # key -> entry, for datasets cached in memory
+        self.memory: dict[str, tuple[LatentDist, torch.Tensor]] = {}  # key -> entry, for datasets cached in memory
         self._digests: dict[Path, str] = {}
         self.keys = {i: self.key(item) for i, item in enumerate(dataset.items) if item.dataset in roots}
 
@@ -80,22 +82,24 @@ class LatentCache:
         if accelerator.is_main_process:
             log.info("latent cache: %d entries; this process encodes %d", len(on_disk) + len(in_memory), len(todo))
         for index in tqdm(todo, desc="caching latents", disable=not accelerator.is_main_process or not todo):
-            dist = adapter.encode_latent_dist(load_pixels(self.dataset.items[index]).unsqueeze(0))
+            item = self.dataset.items[index]
+            dist = adapter.encode_latent_dist(load_pixels(item).unsqueeze(0))
             entry = LatentDist(dist.mean[0].cpu(), None if dist.std is None else dist.std[0].cpu())
-            if self.to_disk[self.dataset.items[index].dataset]:
-                self.write(self.path(index), entry)
+            if self.to_disk[item.dataset]:
+                self.write(self.path(index), entry, image_sizes(item))
             else:
-                self.memory[self.keys[index]] = entry
+                self.memory[self.keys[index]] = (entry, image_sizes(item))
         accelerator.wait_for_everyone()
 
     @staticmethod
-    def write(path: Path, entry: LatentDist) -> None:
-        tensors = {"mean": entry.mean.contiguous()}
+    def write(path: Path, entry: LatentDist, sizes: torch.Tensor) -> None:
+        tensors = {"mean": entry.mean.contiguous(), "image_sizes": sizes.contiguous()}
         if entry.std is not None:
             tensors["std"] = entry.std.contiguous()
         write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
-    def get(self, index: int) -> LatentDist:
+    def get(self, index: int) -> tuple[LatentDist, torch.Tensor]:
+        """The entry's latent distribution and the size facts of the pixels it was encoded from."""
         if self.keys[index] in self.memory and not self.to_disk[self.dataset.items[index].dataset]:
             return self.memory[self.keys[index]]
         path = self.path(index)
@@ -104,4 +108,6 @@ class LatentCache:
         except Exception as err:  # a damaged or deleted entry: name it
             raise RuntimeError(f"cached latent {path} for {self.dataset.items[index].record.path} is "
                                f"unreadable ({err}); delete the cache folder to rebuild it") from err
-        return LatentDist(tensors["mean"], tensors.get("std"))
+        if "image_sizes" not in tensors:  # written before entries kept them: the same crop plan made it
+            tensors["image_sizes"] = image_sizes(self.dataset.items[index])
+        return LatentDist(tensors["mean"], tensors.get("std")), tensors["image_sizes"]

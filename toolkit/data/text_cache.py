@@ -106,6 +106,8 @@ class CachedCaptions:
             tensors["attention_mask"] = embeds.attention_mask[row].cpu().contiguous()
         if embeds.lengths is not None:
             tensors["length"] = embeds.lengths[row].reshape(1).cpu()
+        if embeds.pooled is not None:
+            tensors["pooled"] = embeds.pooled[row].cpu().contiguous()
         write_atomic(self.path(caption), lambda tmp: save_file(tensors, str(tmp)))
 
     def load(self, caption: str) -> dict[str, torch.Tensor]:
@@ -148,7 +150,7 @@ class CachedCaptions:
         return self.own_key(index)
 
     def embeds_for(self, indices: list[int], epoch: int) -> PromptEmbeds:
-        rows, masks, lengths = [], [], []
+        rows, masks, lengths, pooled = [], [], [], []
         for index in indices:
             key = self.caption_key(index, epoch)
             entry = self.load(key)
@@ -160,6 +162,8 @@ class CachedCaptions:
             rows.append(embeds)
             masks.append(entry.get("attention_mask"))
             lengths.append(entry.get("length"))
+            pooled.append(entry.get("pooled"))
         mask = torch.stack(masks) if all(m is not None for m in masks) else None
         length = torch.cat(lengths) if all(n is not None for n in lengths) else None
-        return PromptEmbeds(torch.stack(rows), mask, length).to(self.adapter.device)
+        pooled = torch.stack(pooled) if all(p is not None for p in pooled) else None
+        return PromptEmbeds(torch.stack(rows), mask, length, pooled).to(self.adapter.device)

@@ -9,6 +9,7 @@ parts (`SamplingParts`). What a family can do is stated before any weight loads,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
@@ -22,8 +23,9 @@ from toolkit.models.config import FamilyFacts, ModelConfigBase
 
 @dataclass
 class PromptEmbeds:
-    """Text conditioning of a batch: per-token embeddings, a mask where the family uses one, and each
-    prompt's token count (start and end tokens included) for token shuffling of cached embeddings.
+    """Text conditioning of a batch: per-token embeddings, a mask where the family uses one, each prompt's token
+    count (start and end tokens included) for token shuffling of cached embeddings, and a pooled embedding per
+    prompt where the family's denoiser takes one (SDXL).
 
     The mask and the lengths stay on the host (`to` moves the embeddings only): they decide shapes, which
     is the host's business, and reading them from the device would stop it once per micro-batch."""
@@ -31,9 +33,11 @@ class PromptEmbeds:
     embeds: torch.Tensor
     attention_mask: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PromptEmbeds:
-        return PromptEmbeds(to_device(self.embeds, device, dtype), self.attention_mask, self.lengths)
+        pooled = None if self.pooled is None else to_device(self.pooled, device, dtype)
+        return PromptEmbeds(to_device(self.embeds, device, dtype), self.attention_mask, self.lengths, pooled)
 
 
 @dataclass
@@ -63,6 +67,9 @@ class LoraFileFormat:
     primary: str = "comfy"
     #: `modelspec.architecture` of the family's LoRA files (Stability AI's model spec, as kohya writes it)
     modelspec_architecture: str = ""
+    #: where kohya names follow another layout than diffusers' module tree: the trained module's module names ->
+    #: {diffusers module path prefix: the file's path} (see toolkit.network.formats.renamed)
+    comfy_renames: Callable[[list[str]], dict[str, str]] | None = None
 
 
 class TextRules:
@@ -168,9 +175,11 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
         """The denoiser's output; through `module` when given (e.g. the bare module, adapters disabled),
-        else through the module set by `use_for_training`."""
+        else through the module set by `use_for_training`. `image_sizes` ([B, 6] integers: original height and
+        width, crop top and left, target height and width, as `toolkit.data.dataset.image_sizes` gives them) is
+        for families conditioned on them (SDXL); the others ignore it."""
 
     @abstractmethod
     def trainable_module(self) -> torch.nn.Module:
@@ -187,6 +196,11 @@ class ModelAdapter(ABC):
     @abstractmethod
     def use_for_training(self, module: torch.nn.Module) -> None:
         """Route `predict` through `module` (the trainable module as wrapped by accelerate)."""
+
+    def use_zero_terminal_snr(self) -> None:
+        """Rescale the noise schedule to zero terminal SNR (`train.zero_terminal_snr`), in training and in samples;
+        only families whose facts say `ddpm_noise` implement it (the config refuses the key for the others)."""
+        raise NotImplementedError(f"{self.arch} has no DDPM noise schedule to rescale")
 
     @property
     @abstractmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from diffusers import DDPMScheduler
 
 from toolkit.device import safe_module_to_device, to_device
 from toolkit.models.base import LatentDist, TextRules
@@ -69,3 +70,27 @@ class ClipTextRules(TextRules):
         tokenizer = self.adapter.tokenizer
         lengths = [len(ids) for ids in tokenizer(prompts, truncation=False).input_ids]
         return [i for i, length in enumerate(lengths) if length > tokenizer.model_max_length]
+
+
+def ddpm_scheduler(scheduler, prediction_type: str | None = None, zero_terminal_snr: bool = False) -> DDPMScheduler:
+    """The family's training scheduler with `model.prediction_type` and `train.zero_terminal_snr` applied (rescaled
+    betas, and trailing timesteps, which samplers need to start from the zero-SNR step). Samplers built from its
+    config (`from_config`) inherit both."""
+    overrides: dict = {}
+    if prediction_type:
+        overrides["prediction_type"] = prediction_type
+    if zero_terminal_snr:
+        overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    return DDPMScheduler.from_config(scheduler.config, **overrides)
+
+
+def run_in_own_dtype(module: torch.nn.Module, parts: list[torch.nn.Module]) -> None:
+    """Cast the inputs of `parts` (sub-modules of `module`) to `module`'s dtype: a VAE kept in float32 beside a
+    float16 model then decodes the float16 latents a pipeline hands it."""
+    dtype = next(module.parameters()).dtype
+
+    def cast(_, args):
+        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    for part in parts:
+        part.register_forward_pre_hook(cast)

@@ -21,6 +21,10 @@ class FamilyFacts:
     conv_layers: bool = False
     #: the `model` key of an extra model without which sample images cannot be rendered (None: none needed)
     sampling_needs: str | None = None
+    #: a DDPM noise schedule: `model.prediction_type` and `train.zero_terminal_snr` apply
+    ddpm_noise: bool = False
+    #: the family's pipeline takes `guidance_rescale` (`sample.guidance_rescale`)
+    guidance_rescale: bool = False
 
 
 class ModelConfigBase(Section):
@@ -59,6 +63,15 @@ class QuantizedBaseOptions(Section):
     assistant_lora_path: str | None = Field(
         None, description="A LoRA merged into the training denoiser only (e.g. a Turbo training adapter); never "
         "into a separate sampling model or the saved LoRA.")
+
+
+class DDPMOptions(Section):
+    """The target of a DDPM family (epsilon or v-prediction fine-tunes of the same architecture)."""
+
+    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
+        None, description="What the denoiser predicts: `epsilon` (noise) or `v_prediction` (velocity, e.g. "
+        "v-prediction fine-tunes; pair with `train.zero_terminal_snr`). Default: the scheduler config's. Samples use "
+        "the same.", json_schema_extra=aka("v_parameterization", "v_pred"))
 
 
 class SamplingModelConfig(Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 from toolkit.errors import UserError
 from toolkit.network.formats import (
+    EMPTY,
     FROM_COMFY,
     from_comfy,
     is_comfy_form,
@@ -112,8 +114,17 @@ def comfy_scales(state: dict[str, torch.Tensor], prefix: str, alphas: dict[str, 
     return {m: (alpha / rank_of(state, prefix, m) if rank_of(state, prefix, m) else 1.0) for m, alpha in alphas.items()}
 
 
-def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str, model_modules: list[str] | None
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def layout_renames(files: LoraFileFormat, module_names: list[str] | None) -> Mapping[str, str]:
+    """The family's kohya module renames for a model with these module names (none for most families)."""
+    return files.comfy_renames(module_names) if files.comfy_renames is not None and module_names else EMPTY
+
+
+def module_names(module: torch.nn.Module) -> list[str]:
+    return [name for name, _ in module.named_modules() if name]
+
+
+def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str, model_modules: list[str] | None,
+                      renames: Mapping[str, str] = EMPTY) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """(weights keyed `<prefix>.<module>.<weight>` in difftune's form, the scale each module's delta carries).
     Scales come from the diffusers header (peft's alpha / r), from ComfyUI `.alpha` keys (alpha / rank), or
     are 1 when the file says nothing (diffusers' rule: alpha = rank). ComfyUI/kohya files need `model_modules`
@@ -142,7 +153,8 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
             raise ValueError(f"{path}: kohya names are flattened; converting them needs the model's module names")
         model_modules = sorted({split_weight_key(k, [*FROM_COMFY, "alpha"])[0][len(comfy_prefix) + 1:]
                                 for k in ours})
-    weights, alphas = from_comfy(ours, {prefix: comfy_prefix}, [f"{prefix}.{m}" for m in model_modules], separator)
+    weights, alphas = from_comfy(ours, {prefix: comfy_prefix}, [f"{prefix}.{m}" for m in model_modules], separator,
+                                 {prefix: renames})
     modules = module_paths(weights, prefix)
     named = {m: alphas.get(f"{prefix}.{m}", float(rank_of(weights, prefix, m) or 1)) for m in modules}
     return weights, comfy_scales(weights, prefix, named)
@@ -208,8 +220,9 @@ def load_pretrained(module: torch.nn.Module, path: Path, files: LoraFileFormat) 
     """Start the adapter from a file: its weights, rescaled so that the effective deltas are the file's under
     this config's alphas (e.g. a kohya file with alpha 8 at rank 16 into a config with linear_alpha 16)."""
     ours = module_scales(module)
-    prefix = files.prefix
-    weights, scales = read_adapter_file(path, prefix, files.comfy_prefix, files.comfy_separator, sorted(ours))
+    prefix, names = files.prefix, module_names(module)
+    weights, scales = read_adapter_file(path, prefix, files.comfy_prefix, files.comfy_separator, names,
+                                        layout_renames(files, names))
     problems = compare_lora_state(lora_state_dict(module, prefix, torch.float32), weights)
     if problems:
         raise UserError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets): "
@@ -228,8 +241,9 @@ def write_comfy_file(path: Path, module: torch.nn.Module, files: LoraFileFormat,
     prefix, comfy_prefix, separator = files.prefix, files.comfy_prefix, files.comfy_separator
     weights, alphas = comfy_ready(lora_state_dict(module, prefix, torch.float32), prefix, module_scales(module))
     # weights in the save dtype; alphas stay float32 (0.1 in bf16 would read back as 0.10009766)
+    renames = {prefix: layout_renames(files, module_names(module))}
     state = {k: v if k.endswith(".alpha") else v.to(dtype)
-             for k, v in to_comfy(weights, {prefix: comfy_prefix}, alphas.__getitem__, separator).items()}
+             for k, v in to_comfy(weights, {prefix: comfy_prefix}, alphas.__getitem__, separator, renames).items()}
     write_safetensors(path, state, metadata, kohya_hashes)
 
 
@@ -238,7 +252,11 @@ def convert_file(source: Path, target: Path, to: str, files: LoraFileFormat, mod
     diffusers, the scales are folded into the weights (alpha = rank, what every diffusers loader assumes without a
     header). The header's metadata is kept, its kohya hashes recomputed for the new tensors. Returns the modules."""
     prefix, comfy_prefix, separator = files.prefix, files.comfy_prefix, files.comfy_separator
-    weights, scales = read_adapter_file(source, prefix, comfy_prefix, separator, model_modules)
+    renames = layout_renames(files, model_modules)
+    if files.comfy_renames is not None and not model_modules and to == "comfy":
+        raise ValueError("this family's kohya names follow another module layout; converting to them needs the "
+                         "model's module names (give --model)")
+    weights, scales = read_adapter_file(source, prefix, comfy_prefix, separator, model_modules, renames)
     if to == "peft":
         write_peft_form(target, weights, prefix, scales)
         return len(scales)
@@ -246,7 +264,7 @@ def convert_file(source: Path, target: Path, to: str, files: LoraFileFormat, mod
     kept = {k: v for k, v in metadata.items() if k != LORA_ADAPTER_METADATA_KEY and not k.startswith("sshs_")}
     if to == "comfy":
         ready, alphas = comfy_ready(weights, prefix, scales)
-        state = to_comfy(ready, {prefix: comfy_prefix}, alphas.__getitem__, separator)
+        state = to_comfy(ready, {prefix: comfy_prefix}, alphas.__getitem__, separator, {prefix: renames})
     else:
         state = rescaled(weights, prefix, scales)
     write_safetensors(target, state, kept, kohya_hashes=any(k.startswith("ss_") for k in kept))

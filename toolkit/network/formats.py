@@ -6,7 +6,9 @@ ComfyUI/kohya: `lora_unet_<module path with _>.lora_down.weight` / `.lora_up.wei
 and a scalar `.alpha` per module, which A1111/Forge and ComfyUI read. Module paths are the diffusers ones in
 both (kohya names SD 1.x modules by the diffusers UNet's paths), so converting is a rename plus the alphas.
 Families whose ComfyUI loader keeps dotted diffusers paths (Z-Image: `diffusion_model.layers.0.attention.to_q
-.lora_down.weight`) use the separator ".".
+.lora_down.weight`) use the separator ".". Families whose kohya names follow another module layout (SDXL: kohya
+trains the original `input_blocks` / `middle_block` / `output_blocks` UNet) give `renames`: module path
+prefixes in diffusers' layout -> the same modules in the file's layout (longest prefix wins).
 
 DoRA: peft's magnitude (`.lora_magnitude_vector`, one value per output row: shape [out] for a Linear,
 [1, out, 1, 1] for a conv) is kohya/LyCORIS's `.dora_scale` in its output-axis orientation ([out, 1] and
@@ -16,9 +18,12 @@ DoRA: peft's magnitude (`.lora_magnitude_vector`, one value per output row: shap
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
+
+EMPTY: Mapping[str, str] = MappingProxyType({})
 
 #: diffusers' LoRA weight names -> kohya's
 LORA_SUFFIX = {"lora.down.weight": "lora_down.weight", "lora.up.weight": "lora_up.weight"}
@@ -47,8 +52,19 @@ def dora_magnitude(scale: torch.Tensor) -> torch.Tensor:
     return scale.reshape(-1) if scale.dim() == 2 else scale.reshape(1, scale.shape[0], *scale.shape[2:])
 
 
-def comfy_module_name(prefix: str, module: str, separator: str) -> str:
+def renamed(module: str, renames: Mapping[str, str]) -> str:
+    """`module` with its longest prefix found in `renames` replaced (whole path components only)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        head = ".".join(parts[:n])
+        if head in renames:
+            return ".".join([renames[head], *parts[n:]])
+    return module
+
+
+def comfy_module_name(prefix: str, module: str, separator: str, renames: Mapping[str, str] = EMPTY) -> str:
     """`lora_unet_down_blocks_0_...` (kohya, separator "_") or `diffusion_model.layers.0...` (separator ".")."""
+    module = renamed(module, renames) if renames else module
     return f"{prefix}{separator}{module.replace('.', '_') if separator == '_' else module}"
 
 
@@ -61,32 +77,33 @@ def split_weight_key(key: str, suffixes) -> tuple[str, str]:
 
 
 def to_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], alpha_of: Callable[[str], float],
-             separator: str = "_") -> dict[str, torch.Tensor]:
+             separator: str = "_", renames: Mapping[str, Mapping[str, str]] = EMPTY) -> dict[str, torch.Tensor]:
     """difftune/diffusers-keyed adapter weights -> ComfyUI/kohya keys with one `.alpha` per module.
 
     `prefixes` maps a component prefix (`unet`) to its ComfyUI prefix (`lora_unet`); `alpha_of(module path)`
     gives each module's alpha (path without the component prefix); `separator` joins prefix and path ("_"
-    flattens the path as kohya does, "." keeps it).
+    flattens the path as kohya does, "." keeps it); `renames` maps a component prefix to its module renames.
     """
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         component, rest = key.split(".", 1)
         module, suffix = split_weight_key(rest, TO_COMFY)
-        name = comfy_module_name(prefixes[component], module, separator)
+        name = comfy_module_name(prefixes[component], module, separator, renames.get(component, EMPTY))
         out[f"{name}.{TO_COMFY[suffix]}"] = dora_scale(value) if suffix in DORA_SUFFIX else value
         out.setdefault(f"{name}.alpha", torch.tensor(float(alpha_of(module)), dtype=torch.float32))
     return out
 
 
 def from_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], module_names: list[str],
-               separator: str = "_") -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+               separator: str = "_", renames: Mapping[str, Mapping[str, str]] = EMPTY
+               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """ComfyUI/kohya keys -> difftune/diffusers keys, plus each module's alpha (by full diffusers module path).
     `module_names` are the model's module paths (`unet.down_blocks.0...to_q`): underscores in kohya names are
     ambiguous, so names are matched against the real modules rather than guessed."""
     by_comfy = {}
     for full in module_names:
         component, module = full.split(".", 1)
-        by_comfy[comfy_module_name(prefixes[component], module, separator)] = full
+        by_comfy[comfy_module_name(prefixes[component], module, separator, renames.get(component, EMPTY))] = full
     weights, alphas = {}, {}
     for key, value in state.items():
         name, suffix = split_weight_key(key, [*FROM_COMFY, "alpha"])

@@ -62,6 +62,7 @@ class TrainingFacts:
     finished_at: float
     trigger_word: str | None
     config: dict[str, Any] = field(default_factory=dict)
+    zero_terminal_snr: bool = False
 
 
 def lora_metadata(facts: TrainingFacts, level: str = "private") -> dict[str, str]:
@@ -94,6 +95,8 @@ def kohya_keys(facts: TrainingFacts, base_model: str) -> dict[str, str]:
         "ss_network_alpha": str(float(facts.alpha)),
         "ss_base_model_version": facts.kohya_base_model,
         "ss_v2": "False",
+        "ss_v_parameterization": str(facts.prediction_type == "v_prediction"),
+        "ss_zero_terminal_snr": str(facts.zero_terminal_snr),
         "ss_sd_model_name": reduce_path(base_model),  # kohya: a local checkpoint's file name, or the hub id
         "ss_resolution": f"({facts.resolution}, {facts.resolution})",
         "ss_num_train_images": str(facts.num_train_images),

@@ -46,7 +46,12 @@ class SampleRenderer:
                 "scheduler": type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else "",
                 "scheduler_config": json.dumps(dict(pipe.scheduler.config)) if hasattr(pipe, "scheduler") else "",
                 "num_inference_steps": self.cfg.sample_steps, "guidance_scale": guidance, "width": self.cfg.width,
-                "height": self.cfg.height, "generator": "torch.Generator('cpu').manual_seed(seed)", "lora_scale": 1.0}
+                "height": self.cfg.height, "generator": "torch.Generator('cpu').manual_seed(seed)", "lora_scale": 1.0,
+                **self.rescale()}
+
+    def rescale(self) -> dict:
+        """`guidance_rescale`, only when set: pipelines without it would refuse the argument."""
+        return {} if self.cfg.guidance_rescale is None else {"guidance_rescale": self.cfg.guidance_rescale}
 
     def seed_for(self, index: int) -> int:
         return self.cfg.seed + index if self.cfg.walk_seed else self.cfg.seed
@@ -72,6 +77,7 @@ class SampleRenderer:
                         else self.cfg.guidance_scale)
             image = pipe(
                 **text,
+                **self.rescale(),
                 num_inference_steps=self.cfg.sample_steps,
                 guidance_scale=guidance,
                 width=self.cfg.width,

@@ -73,7 +73,8 @@ class DiffusionObjective:
         timesteps = to_device(schedule.timesteps(u), latents.device)
         noisy = schedule.add_noise(latents, noise, timesteps)
         with_blank = self.blank_prompt_due(at.update_index)
-        prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank)
+        sizes = batch.get("image_sizes")
+        prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank, sizes)
         target = schedule.target(latents, noise, timesteps)
         if cfg.differential_guidance_scale is not None:
             anchor = prediction.detach()
@@ -85,7 +86,7 @@ class DiffusionObjective:
         loss = weighted_mean(per_sample, sampler_weight, snr_weight)
         parts = {"loss_diff_guidance" if cfg.differential_guidance_scale else "loss_main": loss.detach()}
         if with_blank:
-            bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction)
+            bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction, sizes)
             loss = loss + cfg.blank_prompt_preservation_multiplier * bpp
             parts["loss_bpp"] = bpp.detach()
         return LossResult(loss, parts, u, per_sample)
@@ -107,16 +108,17 @@ class DiffusionObjective:
         draw = torch.rand((), generator=seeded_generator(self.seed, "blank_prompt", update_index))
         return draw.item() < self.cfg.blank_prompt_probability
 
-    def predict(self, noisy, timesteps, embeds: PromptEmbeds, with_blank: bool):
+    def predict(self, noisy, timesteps, embeds: PromptEmbeds, with_blank: bool, sizes: torch.Tensor | None):
         """The LoRA model's prediction; with the blank prompt too, in the same forward pass (one pass keeps
         multi-process gradient sync simple and is faster than two)."""
         if not with_blank:
-            return self.adapter.predict(noisy, timesteps, embeds), None
+            return self.adapter.predict(noisy, timesteps, embeds, image_sizes=sizes), None
         both = self.adapter.predict(torch.cat([noisy, noisy]), torch.cat([timesteps, timesteps]),
-                                    concat_embeds(embeds, self.blank_embeds, len(noisy)))
+                                    concat_embeds(embeds, self.blank_embeds, len(noisy)),
+                                    image_sizes=None if sizes is None else torch.cat([sizes, sizes]))
         return both[: len(noisy)], both[len(noisy):]
 
-    def blank_prompt_loss(self, noisy, timesteps, blank_prediction) -> torch.Tensor:
+    def blank_prompt_loss(self, noisy, timesteps, blank_prediction, sizes: torch.Tensor | None) -> torch.Tensor:
         """MSE between the LoRA model's and the base model's predictions for the blank prompt. The base pass is the
         base model's own prediction: adapters off, no dropout (eval mode), and it draws nothing from the global
         RNG streams training uses (they are forked around it)."""
@@ -128,7 +130,7 @@ class DiffusionObjective:
             module.disable_adapters()
             module.eval()
             try:
-                base = self.adapter.predict(noisy, timesteps, blank, module=module)
+                base = self.adapter.predict(noisy, timesteps, blank, module=module, image_sizes=sizes)
             finally:
                 module.train(was_training)
                 module.enable_adapters()
@@ -152,4 +154,6 @@ def concat_embeds(embeds: PromptEmbeds, blank: PromptEmbeds | None, batch: int) 
     device = embeds.embeds.device
     masks = [rows(p.attention_mask) for p in parts]  # host tensors (see PromptEmbeds)
     mask = torch.cat(masks) if all(m is not None for m in masks) else None
-    return PromptEmbeds(torch.cat([rows(p.embeds).to(device) for p in parts]), mask)
+    pooled = [rows(p.pooled) for p in parts]
+    pooled = torch.cat([p.to(device) for p in pooled]) if all(p is not None for p in pooled) else None
+    return PromptEmbeds(torch.cat([rows(p.embeds).to(device) for p in parts]), mask, pooled=pooled)

@@ -18,7 +18,14 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import DDPMNoiseSchedule
 from toolkit.models.base import LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
-from toolkit.models.common import ClipTextRules, encoder_identity, place_frozen, vae_latent_dist, vae_latents
+from toolkit.models.common import (
+    ClipTextRules,
+    ddpm_scheduler,
+    encoder_identity,
+    place_frozen,
+    vae_latent_dist,
+    vae_latents,
+)
 from toolkit.models.sd15.config import FACTS, SD15ModelConfig
 from toolkit.models.sd15.tiny import ensure_tiny_sd15
 from toolkit.paths import normalize_path
@@ -73,7 +80,8 @@ class SD15Adapter(ModelAdapter):
                 parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
             else:
                 parts = cls._load_folder(source, model_cfg, dtype)
-        adapter = cls(*parts, source=source)
+        unet, vae, text_encoder, tokenizer, scheduler = parts
+        adapter = cls(unet, vae, text_encoder, tokenizer, ddpm_scheduler(scheduler, model_cfg.prediction_type), source)
         place_frozen(adapter.unet, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
 
@@ -97,6 +105,10 @@ class SD15Adapter(ModelAdapter):
         )
         scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, scheduler
+
+    def use_zero_terminal_snr(self) -> None:
+        self.scheduler = ddpm_scheduler(self.scheduler, zero_terminal_snr=True)
+        self.noise_schedule = DDPMNoiseSchedule(self.scheduler)
 
     @property
     def device(self) -> torch.device:
@@ -131,7 +143,7 @@ class SD15Adapter(ModelAdapter):
         return encoder_identity(self.arch, part, self.source, {"image": self.vae, "text": self.text_encoder}[part])
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
         unet_dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         return denoiser(noisy.to(unet_dtype), timesteps, encoder_hidden_states=embeds.embeds.to(unet_dtype)).sample

@@ -6,12 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from toolkit.models.config import FamilyFacts, ModelConfigBase
+from toolkit.models.config import DDPMOptions, FamilyFacts, ModelConfigBase
 
-FACTS = FamilyFacts(title="Stable Diffusion 1.x", conv_layers=True)
+FACTS = FamilyFacts(title="Stable Diffusion 1.x", conv_layers=True, ddpm_noise=True, guidance_rescale=True)
 
 
-class SD15ModelConfig(ModelConfigBase):
+class SD15ModelConfig(ModelConfigBase, DDPMOptions):
     """`model` with `arch: sd15`: Stable Diffusion 1.x (UNet, CLIP text encoder, VAE)."""
 
     arch: Literal["sd15"] = Field(..., description="sd15: Stable Diffusion 1.x.",

@@ -204,7 +204,7 @@ class WuerstchenAdapter(ModelAdapter):
     # ---- denoiser ------------------------------------------------------------------------------
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: nn.Module | None = None) -> torch.Tensor:
+                module: nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
         dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         ratio = timesteps.to(device=noisy.device, dtype=dtype)

@@ -335,7 +335,7 @@ class ZImageAdapter(ModelAdapter):
         return (total - timesteps.float()) / total
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32 like the pipeline's."""
         denoiser = module if module is not None else self._denoiser
         dtype = self.compute_dtype

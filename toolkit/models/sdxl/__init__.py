@@ -1,0 +1,1 @@
+"""Stable Diffusion XL family."""

@@ -1,0 +1,30 @@
+"""`model` keys of Stable Diffusion XL (`arch: sdxl`)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from toolkit.models.config import DDPMOptions, FamilyFacts, ModelConfigBase
+
+FACTS = FamilyFacts(title="Stable Diffusion XL", conv_layers=True, ddpm_noise=True, guidance_rescale=True)
+
+
+class SDXLModelConfig(ModelConfigBase, DDPMOptions):
+    """`model` with `arch: sdxl`: Stable Diffusion XL and its fine-tunes (UNet, CLIP-L and bigG text encoders,
+    VAE), from a diffusers folder, a hub id or a single-file checkpoint."""
+
+    arch: Literal["sdxl"] = Field(..., description="sdxl: Stable Diffusion XL (base 1.0 and fine-tunes such as Pony, "
+                                  "Illustrious, NoobAI).", json_schema_extra={"aka": ["model_type", "base_model"]})
+    single_file_config: str | None = Field(
+        None, description="For a single-file checkpoint: a diffusers SDXL folder or hub id whose component configs "
+        "(and tokenizers) describe it. Default: diffusers picks one from the checkpoint's keys and fetches its "
+        "configs from the hub; give a local folder to load offline.")
+    vae_name_or_path: str | None = Field(
+        None, description="Another VAE: a diffusers folder or hub id (e.g. madebyollin/sdxl-vae-fp16-fix), or a "
+        "single-file .safetensors. The stock SDXL VAE overflows in float16, so it runs in float32 when `dtype` is "
+        "float16 (as its config's `force_upcast` says); the fp16-fix VAE runs in float16.",
+        json_schema_extra={"aka": ["vae", "vae_path"]})
+
+    facts: ClassVar[FamilyFacts] = FACTS
