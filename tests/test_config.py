@@ -295,3 +295,10 @@ def test_a_job_file_that_is_not_text_is_a_config_error(tmp_path, registry):
     path.write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ConfigError, match="cannot read it as a UTF-8 text file"):
         load_config(str(path), registry)
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "config" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_passes_the_schema(example, registry):
+    """What a user copies must be valid as shipped (paths are checked when a job runs, not here)."""
+    config, _ = load_config(str(example), registry)
+    assert config.config.process
