@@ -7,6 +7,8 @@
   DIR/rank<R>.jsonl as {"job": name, "epoch": e, "indices": [...]}.
 - DIFFTUNE_TEST_CONTROL_AFTER=N:ACTION[,N:ACTION...]: right after update N the main process runs the real
   `python run.py --control RUN_FOLDER ACTION` in a subprocess (as a user in another terminal would).
+- DIFFTUNE_TEST_RECORD_LORA=DIR: when training ends, every process writes its trained adapter weights (every
+  component: the denoiser's and any text encoders') to DIR/rank<R>.safetensors.
 - DIFFTUNE_TEST_RECORD_MODEL_LOADS=DIR: every process appends to DIR/rank<R>.jsonl whether its model load
   asked for the sample-only models ({"sampling_models": bool}) and what it got ({"sampling_transformer": bool}).
 """
@@ -22,6 +24,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
 
 import run  # noqa: E402
 from jobs.process.base_sd_train_process import BaseSDTrainProcess  # noqa: E402
@@ -85,6 +89,21 @@ def record_indices(folder: Path):
     return wrapped(BaseSDTrainProcess, "train_step", wrap)
 
 
+def record_lora(folder: Path):
+    from safetensors.torch import save_file
+
+    from toolkit.network.lora import components_state_dict
+
+    def wrap(original):
+        def finish(self):
+            state = components_state_dict(self.components, torch.float32)
+            save_file(state, str(folder / f"rank{self.accelerator.process_index}.safetensors"))
+            return original(self)
+        return finish
+
+    return wrapped(BaseSDTrainProcess, "finish", wrap)
+
+
 def record_model_loads(folder: Path):
     from toolkit.models.zimage.adapter import ZImageAdapter
 
@@ -116,6 +135,8 @@ if __name__ == "__main__":
             instruments.enter_context(control_after(plan))
         if "DIFFTUNE_TEST_RECORD_MODEL_LOADS" in os.environ:
             instruments.enter_context(record_model_loads(Path(os.environ["DIFFTUNE_TEST_RECORD_MODEL_LOADS"])))
+        if "DIFFTUNE_TEST_RECORD_LORA" in os.environ:
+            instruments.enter_context(record_lora(Path(os.environ["DIFFTUNE_TEST_RECORD_LORA"])))
         if "DIFFTUNE_TEST_RECORD_INDICES" in os.environ:
             instruments.enter_context(record_indices(Path(os.environ["DIFFTUNE_TEST_RECORD_INDICES"])))
         sys.exit(run.main(sys.argv[1:]))

@@ -214,7 +214,7 @@ def test_train_keys_reach_each_consumer_as_its_own_group(tmp_path, registry):
                                                "num_workers": 1})
     train = load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)[0].config.process[0].train
     assert isinstance(train.optimization, OptimizerSection)
-    assert train.optimization.model_dump() == {"optimizer": "adamw", "lr": 2e-4, "optimizer_params": {"eps": 1e-7},
+    assert train.optimization.model_dump() == {"optimizer": "adamw", "lr": 2e-4, "text_encoder_lr": None, "optimizer_params": {"eps": 1e-7},
                                                "max_grad_norm": 1.0}
     assert isinstance(train.lr_schedule, LRScheduleSection) and train.lr_schedule.lr_warmup_steps == 1
     assert isinstance(train.objective, ObjectiveSection) and train.objective.min_snr_gamma == 5

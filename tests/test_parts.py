@@ -17,7 +17,7 @@ from helpers import make_images
 
 from toolkit.config.sections import LoggingConfig, NetworkConfig, ObjectiveSection, SampleConfig, TrainConfig
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
-from toolkit.models.base import LatentDist, PromptEmbeds
+from toolkit.models.base import LatentDist, LoraComponent, PromptEmbeds
 from toolkit.network.lora import add_lora
 from toolkit.run import checkpoint, control
 from toolkit.run.checkpoint import CheckpointError, Checkpoints, TrainedParts
@@ -61,11 +61,11 @@ def trained_parts(seed: int = 0) -> TrainedParts:
     module, params = lora_module(seed)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    return TrainedParts(module, "unet", optimizer, scheduler)
+    return TrainedParts([LoraComponent(module, "unet", "lora_unet")], optimizer, scheduler)
 
 
 def one_update(parts: TrainedParts) -> None:
-    loss = parts.module(torch.ones(2, 8)).pow(2).mean()
+    loss = parts.components[0].module(torch.ones(2, 8)).pow(2).mean()
     loss.backward()
     parts.optimizer.step()
     parts.optimizer.zero_grad()
@@ -114,7 +114,7 @@ def test_checkpoints_save_and_resume_restore_every_trained_part(tmp_path, accele
     assert json.loads((folder / "train_state.json").read_text())["micro_batch_in_epoch"] == 3
     draw_after_save = torch.rand(3)
     one_update(parts)
-    after_two = {k: v.clone() for k, v in parts.module.state_dict().items() if "lora" in k}
+    after_two = {k: v.clone() for k, v in parts.components[0].module.state_dict().items() if "lora" in k}
 
     fresh = trained_parts()
     with torch.no_grad():  # other adapter weights: everything trained must come from the checkpoint
@@ -127,7 +127,7 @@ def test_checkpoints_save_and_resume_restore_every_trained_part(tmp_path, accele
     assert position == Position(1, 1, 0)  # the saved epoch was complete: the next one starts
     assert fresh.lr_scheduler.last_epoch == 1 and loader.last_saved_step == 1
     one_update(fresh)
-    resumed = {k: v for k, v in fresh.module.state_dict().items() if "lora" in k}
+    resumed = {k: v for k, v in fresh.components[0].module.state_dict().items() if "lora" in k}
     assert all(torch.equal(resumed[k], after_two[k]) for k in after_two)  # same weights, moments and LR
 
 
@@ -138,7 +138,7 @@ def test_checkpoint_resume_refuses_another_rank_before_changing_anything(tmp_pat
     wider.requires_grad_(False)
     wider_params = add_lora(wider, NetworkConfig(linear=4, linear_alpha=4), ["to_q", "to_out"])
     optimizer = torch.optim.AdamW(wider_params)
-    other = TrainedParts(wider, "unet", optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    other = TrainedParts([LoraComponent(wider, "unet", "lora_unet")], optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     before = {k: v.clone() for k, v in wider.state_dict().items()}
     with pytest.raises(CheckpointError, match="does not match the current config"):
         Checkpoints(accelerator, tmp_path / "ck", 2, other, {}, lambda step: {}).resume(folder, 4, 1)
@@ -347,6 +347,6 @@ def test_sampler_brings_offloaded_text_encoders_only_when_prompts_are_not_encode
     placement = ModulePlacement(torch.device("cpu"), low_vram=False)
     placement.offloaded = [vae, text]
     renderer = SampleRenderer(SampleConfig(prompts=["a"]), None, Path("unused"), "tiny")
-    sampler = Sampler(renderer, Adapter(), placement, torch.nn.Linear(1, 1), [], is_main=True)
+    sampler = Sampler(renderer, Adapter(), placement, [torch.nn.Linear(1, 1)], [], is_main=True)
     assert sampler.modules_for([{"prompt_embeds": 1}]) == [vae, extra]
     assert sampler.modules_for([None]) == [vae, text, extra]

@@ -71,12 +71,12 @@ def trained(tmp_path_factory, registry):
 
     def observed_sample(self, step):
         sampler = self.sampler
-        lora_params = [p for p in sampler.trained_module.parameters() if p.requires_grad]
+        lora_params = [p for p in sampler.trained_modules[0].parameters() if p.requires_grad]
         rng, weights = torch.get_rng_state(), [p.detach().clone() for p in lora_params]
         real_sample(self, step)
         samplings.append({
             "step": step, "rng_kept": torch.equal(torch.get_rng_state(), rng),
-            "training_after": sampler.trained_module.training,
+            "training_after": sampler.trained_modules[0].training,
             "no_grads": all(p.grad is None for p in lora_params),
             "weights_kept": all(torch.equal(p, w) for p, w in zip(lora_params, weights)),
             "sampling_transformer_training": sampler.adapter.sampling_transformer.training,

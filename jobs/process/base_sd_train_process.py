@@ -16,7 +16,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast, set_seed
 
 from jobs.context import JobContext
 from jobs.process.base_process import BaseProcess, StopRequested
@@ -26,8 +26,8 @@ from toolkit.data.training_data import TrainingData
 from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, torch_dtype
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
-from toolkit.network.files import load_pretrained, write_comfy_file
-from toolkit.network.lora import add_lora, lora_state_dict, mirror_lora, write_lora_file, write_peft_folder
+from toolkit.network.files import file_has_component, load_component, write_comfy_file
+from toolkit.network.lora import add_lora, mirror_lora, write_components_file, write_peft_folder
 from toolkit.network.metadata import TrainingFacts, lora_metadata, reduce_path, tag_frequency
 from toolkit.paths import normalize_path
 from toolkit.run.accelerator import RunAccelerator
@@ -110,7 +110,8 @@ class BaseSDTrainProcess(BaseProcess):
         set_seed(cfg.train.seed, device_specific=True)
         self.placement = ModulePlacement(acc.device, cfg.model.low_vram, cfg.logging.debug_memory)
         self.adapter = self.load_model()
-        self.lora_params = self.add_network()
+        self.param_groups = self.add_network()
+        self.lora_params = [param for group in self.param_groups for param in group["params"]]
         self.mirrors = [mirror_lora(self.adapter.trainable_module(), m) for m in self.adapter.sampling.mirrors()]
         self.data = TrainingData(cfg.datasets, cfg.trigger_word, cfg.train, self.adapter, self.placement)
         self.data.warn_overlong_captions()
@@ -121,18 +122,17 @@ class BaseSDTrainProcess(BaseProcess):
         self.objective = self.make_objective(cfg.train.objective, cfg.train.seed, self.adapter, blank)
         self.data.build_caches(acc)
         self.plan = self.make_plan()
-        self.optimizer = build_optimizer(cfg.train.optimization, self.lora_params)
+        self.optimizer = build_optimizer(cfg.train.optimization, self.param_groups)
         self.prepare_components()
         self.lr_scheduler = build_lr_scheduler(cfg.train.lr_schedule, self.optimizer, self.plan)
         model_name = cfg.model.name_or_path if cfg.save.metadata == "full" else reduce_path(cfg.model.name_or_path)
         renderer = SampleRenderer(cfg.sample, cfg.trigger_word, self.folder.samples, model_name)
         if renderer.enabled:
             renderer.check_size(self.adapter.divisor)
-        self.sampler = Sampler(renderer, self.adapter, self.placement, self.trained_module, self.mirrors,
+        self.sampler = Sampler(renderer, self.adapter, self.placement, self.trained_modules, self.mirrors,
                                acc.is_main_process, cfg.logging.debug_memory)
         self.say_which_files()
-        parts = TrainedParts(self.adapter.trainable_module(), self.adapter.files.prefix, self.optimizer,
-                             self.lr_scheduler, acc.scaler)
+        parts = TrainedParts(self.components, self.optimizer, self.lr_scheduler, acc.scaler)
         self.checkpoints = Checkpoints(acc, self.folder.checkpoints, cfg.save.max_step_saves_to_keep, parts,
                                        cfg.model_dump(mode="json"), self.lora_metadata, cfg.logging.debug_memory)
 
@@ -152,15 +152,40 @@ class BaseSDTrainProcess(BaseProcess):
         log.info("model: %s", adapter.describe())
         return adapter
 
-    def add_network(self) -> list[torch.nn.Parameter]:
-        """The adapter on the trainable module (from `pretrained_lora_path` when given); its parameters."""
-        network, adapter, module = self.config.network, self.adapter, self.adapter.trainable_module()
-        params = add_lora(module, network, adapter.lora_target_modules(), adapter.conv_target_modules())
+    def add_network(self) -> list[dict]:
+        """The adapter on the trainable module, and on the text encoders with `network.train_text_encoder` (each from
+        `pretrained_lora_path` when given and the file has it); the optimizer's parameter groups: the denoiser's at
+        `train.lr`, the text encoders' at `train.text_encoder_lr`."""
+        network, train, adapter = self.config.network, self.config.train, self.adapter
+        module = adapter.trainable_module()
+        groups = [{"params": add_lora(module, network, adapter.lora_target_modules(), adapter.conv_target_modules())}]
+        self.text_params: list[torch.nn.Parameter] = []
+        if network.train_text_encoder:
+            # the family's text targets at the same rank and alpha; module filters and conv ranks are the denoiser's
+            text_network = network.model_copy(update={"target_modules": None, "only_if_contains": None,
+                                                      "ignore_if_contains": None, "conv": None, "conv_alpha": None})
+            for component in adapter.text_encoder_components():
+                self.text_params += add_lora(component.module, text_network, adapter.text_lora_target_modules())
+            lr = train.text_encoder_lr if train.text_encoder_lr is not None else train.lr
+            groups.append({"params": self.text_params, "lr": lr})
+            adapter.text_encoders_train = True
+        self.components = adapter.lora_components(text_encoders=network.train_text_encoder)
         if network.pretrained_lora_path:
-            path = normalize_path(network.pretrained_lora_path, "network.pretrained_lora_path")
+            path = Path(normalize_path(network.pretrained_lora_path, "network.pretrained_lora_path"))
             with memory_debug("LoRA load", self.config.logging.debug_memory):
-                load_pretrained(module, Path(path), adapter.files)
-        return params
+                self.load_pretrained_components(path)
+        return groups
+
+    def load_pretrained_components(self, path: Path) -> None:
+        """The denoiser's adapter from the file (it must fit); each text encoder's where the file has it, else that
+        one starts fresh (said so)."""
+        denoiser, *text = self.components
+        load_component(denoiser, path, others_trained=bool(text))
+        for component in text:
+            if file_has_component(path, component):
+                load_component(component, path, others_trained=True)
+            else:
+                log.info("%s has no %s weights: its LoRA starts fresh", path, component.prefix)
 
     def make_plan(self) -> TrainingPlan:
         train = self.config.train
@@ -183,7 +208,13 @@ class BaseSDTrainProcess(BaseProcess):
         module, self.optimizer, self.data.dataloader = acc.prepare(self.adapter.trainable_module(), self.optimizer,
                                                                    dataloader)
         self.adapter.use_for_training(module)
+        if self.text_params and acc.num_processes > 1:
+            # DDP broadcasts rank 0's initial weights of the module it wraps; the text encoders' LoRA likewise here
+            for param in self.text_params:
+                param.data = broadcast(param.data, from_process=0)
         self.trained_module = module
+        #: what switches between training and eval mode: the wrapped denoiser and any trained text encoders
+        self.trained_modules = [module, *(c.module for c in self.components[1:])]
         real = len(self.data.dataloader)
         if real != self.plan.micro_batches_per_epoch:
             log.warning("the dataloader yields %d micro-batches per process per epoch, the plan said %d; "
@@ -217,7 +248,8 @@ class BaseSDTrainProcess(BaseProcess):
 
     def train(self) -> None:
         """Epochs of micro-batches until the plan's last update, or until every process agreed to stop."""
-        self.trained_module.train()
+        for module in self.trained_modules:
+            module.train()
         with GracefulStop() as signal:  # from the start: a Ctrl-C during the step-0 samples stops cleanly too
             if self.config.sample.sample_at_start and self.position.global_step == 0:
                 self.monitor.sample(step=0)
@@ -277,8 +309,11 @@ class BaseSDTrainProcess(BaseProcess):
         """Clip, step the optimizer and (once) the LR scheduler. None when the optimizer skipped the step (fp16
         only: reading that flag is the one per-update wait for the device that GradScaler needs)."""
         acc = self.accelerator
+        if self.text_params and acc.num_processes > 1:
+            self.average_text_encoder_grads()
         grad_norm = acc.clip_grad_norm_(self.lora_params, self.config.train.max_grad_norm or float("inf"))
-        lr = self.lr_scheduler.get_last_lr()[0]
+        lr, *others = self.lr_scheduler.get_last_lr()
+        self.text_encoder_lr = others[0] if others else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if acc.optimizer_step_was_skipped:
@@ -294,9 +329,22 @@ class BaseSDTrainProcess(BaseProcess):
         return UpdateValues(self.position.global_step, self.position.epoch, lr, names + ["grad_norm"],
                             torch.cat([means, grad_norm]))
 
+    def average_text_encoder_grads(self) -> None:
+        """The text encoders are not wrapped in DDP (their LoRA is small, and wrapping would route every prompt
+        through a wrapper): their gradients are averaged over the processes here, in one collective per update,
+        after the last micro-batch of the accumulation window."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.text_params]
+        flat = self.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+        offset = 0
+        for param, grad in zip(self.text_params, grads):
+            param.grad = flat[offset: offset + grad.numel()].view_as(grad)
+            offset += grad.numel()
+
     def optimizer_readings(self, update: UpdateValues) -> dict:
         """The LR the update used (the optimizer's own where it picks it) and its update RMS, for a metrics line."""
         readings = {"lr": logged_lr(self.optimizer, update.scheduled_lr)}
+        if self.text_encoder_lr is not None:
+            readings["lr_text_encoder"] = self.text_encoder_lr
         rms = update_rms(self.optimizer)
         if rms is not None:
             readings["update_rms"] = float(rms)
@@ -397,6 +445,8 @@ class BaseSDTrainProcess(BaseProcess):
             tag_frequency=tags,
             started_at=self.checkpoints.started_at, finished_at=time.time(), trigger_word=cfg.trigger_word,
             config=cfg.model_dump(mode="json"), zero_terminal_snr=cfg.train.zero_terminal_snr,
+            text_encoder_lr=(cfg.train.text_encoder_lr if cfg.train.text_encoder_lr is not None else cfg.train.lr)
+            if cfg.network.train_text_encoder else None,
         )
 
     def final_forms(self) -> list[str]:
@@ -426,11 +476,10 @@ class BaseSDTrainProcess(BaseProcess):
             log.info("saved LoRA %s (%s form)", path, form)
 
     def write_lora_form(self, form: str, path: Path, metadata: dict[str, str]) -> None:
-        dtype, files = DTYPES[self.config.save.dtype], self.adapter.files
-        module, hashes = self.adapter.trainable_module(), self.config.save.metadata != "minimal"
+        dtype, hashes = DTYPES[self.config.save.dtype], self.config.save.metadata != "minimal"
         if form == "diffusers":
-            write_lora_file(path, lora_state_dict(module, files.prefix, dtype), metadata, module, files.prefix, hashes)
-        elif form == "peft":
-            write_peft_folder(path, module, dtype)
+            write_components_file(path, self.components, dtype, metadata, hashes)
+        elif form == "peft":  # the denoiser only (the config refuses peft folders with a trained text encoder)
+            write_peft_folder(path, self.components[0].module, dtype)
         else:
-            write_comfy_file(path, module, files, dtype, metadata, hashes)
+            write_comfy_file(path, self.components, dtype, metadata, hashes)

@@ -74,8 +74,34 @@ class SDTrainerConfig(Section):
         if self.train.zero_terminal_snr and not facts.ddpm_noise:
             problems.append(f"train.zero_terminal_snr: the {arch} family ({facts.title}) has no DDPM noise schedule to "
                             "rescale; remove it")
+        if self.network.train_text_encoder and not facts.text_encoder_lora:
+            problems.append(f"network.train_text_encoder: the {arch} family ({facts.title}) trains no text-encoder "
+                            "LoRA; remove it")
         if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
             problems.append(f"sample.guidance_rescale: the {arch} sampling pipeline has no guidance rescale; remove it")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _text_encoder_lora_fits(self) -> SDTrainerConfig:
+        """A trained text encoder encodes every caption live; combinations that cannot are named here."""
+        network, train = self.network, self.train
+        if not network.train_text_encoder:
+            if train.text_encoder_lr is not None:
+                raise ValueError("train.text_encoder_lr applies only with network.train_text_encoder: true")
+            return self
+        problems = []
+        if train.cache_text_embeddings:
+            problems.append("network.train_text_encoder and train.cache_text_embeddings: a trained text encoder "
+                            "changes every caption's embedding at each step, so they cannot be cached; turn one off")
+        if train.blank_prompt_preservation:
+            problems.append("network.train_text_encoder and train.blank_prompt_preservation: the preservation term "
+                            "compares with the base model's blank-prompt prediction through a frozen text encoder; "
+                            "turn one off")
+        if "peft" in self.save.formats:
+            problems.append("network.train_text_encoder and save.formats: [peft]: a peft folder holds one model; "
+                            "use the comfy or diffusers form, which hold the UNet and the text encoders")
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -44,6 +44,11 @@ class NetworkConfig(Section):
                                 "sample with this probability (the rest rescaled to keep the mean).")
     module_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: skip a whole adapter module for a "
                                   "forward pass with this probability.")
+    train_text_encoder: bool = Field(
+        False, description="Families with CLIP text encoders (sd15, sdxl): also train a LoRA on the text encoders "
+        "(every linear layer of attention and MLP, at `linear` / `linear_alpha`), at `train.text_encoder_lr`. "
+        "Captions are then encoded live every step (no `train.cache_text_embeddings`).",
+        json_schema_extra=aka("train_text_encoder"))
     pretrained_lora_path: str | None = Field(
         None, description="Start from this adapter file (difftune/diffusers or ComfyUI/kohya keys, of the same "
         "type and ranks); its alphas are honoured, so the model starts with exactly the file's weight deltas.",
@@ -184,6 +189,9 @@ class OptimizerSection(Section):
         "adamw", description="Optimizer (docs/optimizers.md).", json_schema_extra=aka("optimizer_type"))
     lr: float = Field(1e-4, ge=0, description="Peak learning rate (unset or 0 with relative-step Adafactor, "
                       "which picks its own).", json_schema_extra=aka("learning_rate", "unet_lr"))
+    text_encoder_lr: float | None = Field(
+        None, ge=0, description="Peak learning rate of the text-encoder LoRA (`network.train_text_encoder`); "
+        "default `lr`. Follows the same schedule.", json_schema_extra=aka("text_encoder_lr", "te_lr"))
     optimizer_params: dict[str, Any] = Field(
         {}, description="Extra keyword arguments of the optimizer (e.g. weight_decay, betas).",
         json_schema_extra=aka("optimizer_args"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -70,6 +70,38 @@ class LoraFileFormat:
     #: where kohya names follow another layout than diffusers' module tree: the trained module's module names ->
     #: {diffusers module path prefix: the file's path} (see toolkit.network.formats.renamed)
     comfy_renames: Callable[[list[str]], dict[str, str]] | None = None
+
+
+@dataclass(frozen=True)
+class LoraComponent:
+    """One module the LoRA trains (the denoiser, and text encoders where they train too) and how files name it."""
+
+    module: torch.nn.Module
+    #: key prefix in diffusers-form files (`unet`, `text_encoder`, `text_encoder_2`)
+    prefix: str
+    #: the module's prefix in ComfyUI/kohya files (`lora_unet`, `lora_te1`, ...)
+    comfy_prefix: str
+    #: {module path prefix: the kohya file's path} where kohya names follow another layout (none for most)
+    comfy_renames: dict[str, str] = field(default_factory=dict)
+    #: how the ComfyUI prefix and the module path join ("_": kohya's flattened names, or ".")
+    comfy_separator: str = "_"
+
+
+def denoiser_component(module: torch.nn.Module, files: LoraFileFormat) -> LoraComponent:
+    """The trained module as its family's files name it (kohya renames computed from its module names)."""
+    renames = files.comfy_renames
+    names = [name for name, _ in module.named_modules() if name] if renames is not None else []
+    return LoraComponent(module, files.prefix, files.comfy_prefix, renames(names) if renames is not None else {},
+                         files.comfy_separator)
+
+
+def clip_text_model_renames(module: torch.nn.Module) -> dict[str, str]:
+    """kohya names CLIP text-encoder modules under `text_model.`; transformers 5's CLIPTextModel no longer has
+    that level in its module tree (CLIPTextModelWithProjection still does)."""
+    names = {name for name, _ in module.named_children()}
+    if "text_model" in names:
+        return {}
+    return {name: f"text_model.{name}" for name in ("embeddings", "encoder", "final_layer_norm") if name in names}
 
 
 class TextRules:
@@ -196,6 +228,29 @@ class ModelAdapter(ABC):
     @abstractmethod
     def use_for_training(self, module: torch.nn.Module) -> None:
         """Route `predict` through `module` (the trainable module as wrapped by accelerate)."""
+
+    # ---- text-encoder LoRA (families whose facts say `text_encoder_lora`) ------------------------------
+
+    #: set by the trainer while text-encoder LoRAs train: `encode_prompts` then keeps the graph (outside no_grad)
+    text_encoders_train: bool = False
+
+    def text_grad(self) -> torch.autograd.grad_mode.set_grad_enabled:
+        """The grad mode for encoding prompts: on only while text-encoder LoRAs train and the caller has grad on
+        (caches, samples and blank prompts encode without a graph)."""
+        return torch.set_grad_enabled(self.text_encoders_train and torch.is_grad_enabled())
+
+    def text_encoder_components(self) -> list[LoraComponent]:
+        """The text encoders a LoRA may train (`network.train_text_encoder`), as files name them."""
+        return []
+
+    def text_lora_target_modules(self) -> list[str]:
+        """Linear targets in the text encoders (kohya's: every linear layer of attention and MLP)."""
+        return []
+
+    def lora_components(self, text_encoders: bool = False) -> list[LoraComponent]:
+        """What the LoRA trains: the trainable module as `files` names it, then the text encoders when asked."""
+        denoiser = denoiser_component(self.trainable_module(), self.files)
+        return [denoiser, *(self.text_encoder_components() if text_encoders else [])]
 
     def use_zero_terminal_snr(self) -> None:
         """Rescale the noise schedule to zero terminal SNR (`train.zero_terminal_snr`), in training and in samples;

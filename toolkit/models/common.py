@@ -63,6 +63,10 @@ def encoder_identity(arch: str, part: str, source: str, module: torch.nn.Module,
     return f"{arch}-{part}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
 
 
+#: kohya's text-encoder LoRA targets in a CLIP text model: every linear layer of attention and MLP
+CLIP_TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+
+
 class ClipTextRules(TextRules):
     """A CLIP tokenizer's limit (`model_max_length`, 77): longer captions are cut, and said so."""
 

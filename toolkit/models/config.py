@@ -25,6 +25,8 @@ class FamilyFacts:
     ddpm_noise: bool = False
     #: the family's pipeline takes `guidance_rescale` (`sample.guidance_rescale`)
     guidance_rescale: bool = False
+    #: LoRA on the text encoders too (`network.train_text_encoder`)
+    text_encoder_lora: bool = False
 
 
 class ModelConfigBase(Section):

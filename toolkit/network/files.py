@@ -12,16 +12,13 @@ import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from safetensors import safe_open
 
-if TYPE_CHECKING:
-    from toolkit.models.base import LoraFileFormat
-
 from toolkit.errors import UserError
+from toolkit.models.base import LoraComponent, LoraFileFormat, denoiser_component
 from toolkit.network.formats import (
     EMPTY,
     FROM_COMFY,
@@ -124,7 +121,8 @@ def module_names(module: torch.nn.Module) -> list[str]:
 
 
 def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str, model_modules: list[str] | None,
-                      renames: Mapping[str, str] = EMPTY) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                      renames: Mapping[str, str] = EMPTY, others_trained: bool = False
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """(weights keyed `<prefix>.<module>.<weight>` in difftune's form, the scale each module's delta carries).
     Scales come from the diffusers header (peft's alpha / r), from ComfyUI `.alpha` keys (alpha / rank), or
     are 1 when the file says nothing (diffusers' rule: alpha = rank). ComfyUI/kohya files need `model_modules`
@@ -137,7 +135,9 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
         state, metadata = read_safetensors(path)
     if not is_comfy_form(state, comfy_prefix, separator):
         # peft-named files (`.lora_A.` / `.lora_B.`) are diffusers files too: one form from here on
-        weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+        # and diffusers' text-encoder names (`.lora_linear_layer.`) too
+        weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up.")
+                   .replace(".lora_linear_layer.", ".lora."): value
                    for key, value in state.items() if key.startswith(prefix + ".")}
         if not weights:
             raise UserError(f"{path}: no adapter weights under `{prefix}.` or `{comfy_prefix}{separator}` (not an "
@@ -145,7 +145,7 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
         modules = module_paths(weights, prefix)
         return weights, header_scales(metadata, prefix, modules) or dict.fromkeys(modules, 1.0)
     ours = {key: value for key, value in state.items() if key.startswith(comfy_prefix + separator)}
-    if len(ours) < len(state):
+    if len(ours) < len(state) and not others_trained:
         log.warning("%s: skipping %d weights of other components (only %s... is trained here)", path,
                     len(state) - len(ours), comfy_prefix)
     if model_modules is None:
@@ -219,31 +219,49 @@ def rescaled(state: dict[str, torch.Tensor], prefix: str, ratios: dict[str, floa
 def load_pretrained(module: torch.nn.Module, path: Path, files: LoraFileFormat) -> None:
     """Start the adapter from a file: its weights, rescaled so that the effective deltas are the file's under
     this config's alphas (e.g. a kohya file with alpha 8 at rank 16 into a config with linear_alpha 16)."""
+    load_component(denoiser_component(module, files), path)
+
+
+def file_has_component(path: Path, component: LoraComponent) -> bool:
+    """Whether an adapter file holds weights of this component (its key names only are read)."""
+    if path.is_dir():
+        return False  # a peft folder holds one model: the denoiser's, read by `load_pretrained`
+    with safe_open(str(path), "pt") as handle:
+        return any(key.startswith((component.prefix + ".", component.comfy_prefix + component.comfy_separator))
+                   for key in handle.keys())
+
+
+def load_component(component: LoraComponent, path: Path, others_trained: bool = False) -> None:
+    """`load_pretrained` for one trained component (the denoiser or a text encoder). `others_trained`: the file's
+    other components are loaded too (no warning that they are skipped)."""
+    module, prefix = component.module, component.prefix
     ours = module_scales(module)
-    prefix, names = files.prefix, module_names(module)
-    weights, scales = read_adapter_file(path, prefix, files.comfy_prefix, files.comfy_separator, names,
-                                        layout_renames(files, names))
+    weights, scales = read_adapter_file(path, prefix, component.comfy_prefix, component.comfy_separator,
+                                        module_names(module), component.comfy_renames, others_trained)
     problems = compare_lora_state(lora_state_dict(module, prefix, torch.float32), weights)
     if problems:
-        raise UserError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets): "
-                         + "; ".join(problems))
+        raise UserError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets) for "
+                        f"{prefix}: " + "; ".join(problems))
     # DoRA too: its norm is taken of W + scale B A, so folding the ratio into B is exact
     ratios = {m: scales[m] / ours[m] for m in ours}
     load_lora_state(module, rescaled(weights, prefix, ratios), prefix)
     changed = sum(abs(r - 1) > 1e-9 for r in ratios.values())
-    log.info("started the adapter from %s%s", path, f" ({changed} modules rescaled to this config's alphas)"
-             if changed else "")
+    log.info("started the %s adapter from %s%s", prefix, path,
+             f" ({changed} modules rescaled to this config's alphas)" if changed else "")
 
 
-def write_comfy_file(path: Path, module: torch.nn.Module, files: LoraFileFormat, dtype: torch.dtype,
-                     metadata: dict[str, str], kohya_hashes: bool = False) -> None:
-    """The ComfyUI/kohya form of the trained adapter, with alphas; `kohya_hashes` adds kohya's `sshs_*`."""
-    prefix, comfy_prefix, separator = files.prefix, files.comfy_prefix, files.comfy_separator
-    weights, alphas = comfy_ready(lora_state_dict(module, prefix, torch.float32), prefix, module_scales(module))
+def write_comfy_file(path: Path, components: list[LoraComponent], dtype: torch.dtype, metadata: dict[str, str],
+                     kohya_hashes: bool = False) -> None:
+    """The ComfyUI/kohya form of the trained adapter (every component: `lora_unet_...`, `lora_te1_...`), with
+    alphas; `kohya_hashes` adds kohya's `sshs_*`."""
+    state: dict[str, torch.Tensor] = {}
+    for c in components:
+        weights, alphas = comfy_ready(lora_state_dict(c.module, c.prefix, torch.float32), c.prefix,
+                                      module_scales(c.module))
+        state.update(to_comfy(weights, {c.prefix: c.comfy_prefix}, alphas.__getitem__, c.comfy_separator,
+                              {c.prefix: c.comfy_renames}))
     # weights in the save dtype; alphas stay float32 (0.1 in bf16 would read back as 0.10009766)
-    renames = {prefix: layout_renames(files, module_names(module))}
-    state = {k: v if k.endswith(".alpha") else v.to(dtype)
-             for k, v in to_comfy(weights, {prefix: comfy_prefix}, alphas.__getitem__, separator, renames).items()}
+    state = {k: v if k.endswith(".alpha") else v.to(dtype) for k, v in state.items()}
     write_safetensors(path, state, metadata, kohya_hashes)
 
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from diffusers import ModelMixin
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
 from peft import (
@@ -17,6 +18,7 @@ from peft import (
     LoraConfig,
     PeftConfig,
     get_peft_model_state_dict,
+    inject_adapter_in_model,
     set_peft_model_state_dict,
 )
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -78,9 +80,15 @@ def build_network_config(cfg: NetworkConfig, linear_names: list[str], conv_names
 
 def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[str],
              conv_targets: list[str] | None = None) -> list[torch.nn.Parameter]:
-    """Add the adapter `cfg` describes (diffusers' peft integration) and return its parameters, in float32."""
+    """Add the adapter `cfg` describes and return its parameters, in float32. diffusers models take it through
+    diffusers' peft integration; other models (transformers' text encoders, whose own `add_adapter` wants a newer
+    peft) through peft's `inject_adapter_in_model`, which sets the same `peft_config`."""
     linear_names, conv_names = select_targets(module, cfg, default_targets, conv_targets or [])
-    module.add_adapter(build_network_config(cfg, linear_names, conv_names))
+    config = build_network_config(cfg, linear_names, conv_names)
+    if isinstance(module, ModelMixin):
+        module.add_adapter(config)
+    else:
+        inject_adapter_in_model(config, module, adapter_name=ADAPTER)
     if cfg.type == "lora" and (cfg.rank_dropout or cfg.module_dropout):
         add_lora_dropouts(module, cfg.rank_dropout, cfg.module_dropout)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -118,7 +126,9 @@ def lora_state_dict(module: torch.nn.Module, prefix: str, dtype: torch.dtype) ->
         state = convert_state_dict_to_diffusers(state)
         # diffusers' converter renames only modules it knows (e.g. not Z-Image's feed_forward.w1): finish the job,
         # so every key has one form; its loaders map `.lora.down` / `.lora.up` back to peft either way
-        state = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+        # ... and its text-encoder names (`.lora_linear_layer.down`) take the same form
+        state = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up.")
+                 .replace(".lora_linear_layer.down.", ".lora.down.").replace(".lora_linear_layer.up.", ".lora.up."): value
                  for key, value in state.items()}
     return {f"{prefix}.{key}": value.detach().to("cpu", dtype).contiguous() for key, value in state.items()}
 
@@ -127,11 +137,49 @@ def is_lora(module: torch.nn.Module) -> bool:
     return module.peft_config[ADAPTER].peft_type.value == "LORA"
 
 
+def packed_config(module: torch.nn.Module, prefix: str) -> dict:
+    config = module.peft_config["default"].to_dict()
+    return {f"{prefix}.{key}": sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+
+
 def adapter_metadata(module: torch.nn.Module, prefix: str) -> str:
     """The peft config as diffusers stores it in a LoRA header, so that alpha and targets load back."""
-    config = module.peft_config["default"].to_dict()
-    packed = {f"{prefix}.{key}": sorted(value) if isinstance(value, set) else value for key, value in config.items()}
-    return json.dumps(packed, indent=2, sort_keys=True, default=str)
+    return json.dumps(packed_config(module, prefix), indent=2, sort_keys=True, default=str)
+
+
+def components_state_dict(components, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The adapter weights of every trained component (`LoraComponent`s), each under its prefix."""
+    state: dict[str, torch.Tensor] = {}
+    for component in components:
+        state.update(lora_state_dict(component.module, component.prefix, dtype))
+    return state
+
+
+def diffusers_text_encoder_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A text encoder's LoRA keys as diffusers' text-encoder loader reads them (`.lora_linear_layer.down`; it
+    refuses `.lora.down`, which its UNet loader takes)."""
+    return {key.replace(".lora.down.", ".lora_linear_layer.down.").replace(".lora.up.", ".lora_linear_layer.up."):
+            value for key, value in state.items()}
+
+
+def read_components_file(path: Path) -> dict[str, torch.Tensor]:
+    """A file `write_components_file` wrote, its keys back in the one form the state dicts here use."""
+    return {key.replace(".lora_linear_layer.", ".lora."): value for key, value in load_file(str(path)).items()}
+
+
+def write_components_file(path: Path, components, dtype: torch.dtype, metadata: dict[str, str],
+                          kohya_hashes: bool = False) -> None:
+    """The diffusers-form file of every trained component (the UNet and any text encoders, as diffusers'
+    `save_lora_weights` writes them), with each component's peft config in the header."""
+    packed: dict = {}
+    for component in components:
+        packed.update(packed_config(component.module, component.prefix))
+    header = {LORA_ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True, default=str), **metadata}
+    state: dict[str, torch.Tensor] = {}
+    for component in components:
+        weights = lora_state_dict(component.module, component.prefix, dtype)
+        state.update(weights if isinstance(component.module, ModelMixin) else diffusers_text_encoder_names(weights))
+    write_safetensors(path, state, header, kohya_hashes)
 
 
 def write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str],

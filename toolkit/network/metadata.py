@@ -63,6 +63,8 @@ class TrainingFacts:
     trigger_word: str | None
     config: dict[str, Any] = field(default_factory=dict)
     zero_terminal_snr: bool = False
+    #: the text encoders' LR when they trained too (None: the LoRA is the denoiser's alone)
+    text_encoder_lr: float | None = None
 
 
 def lora_metadata(facts: TrainingFacts, level: str = "private") -> dict[str, str]:
@@ -105,6 +107,8 @@ def kohya_keys(facts: TrainingFacts, base_model: str) -> dict[str, str]:
         "ss_epoch": str(facts.epoch),
         "ss_steps": str(facts.steps),
         "ss_learning_rate": str(facts.learning_rate),
+        "ss_unet_lr": str(facts.learning_rate),
+        "ss_text_encoder_lr": str(facts.text_encoder_lr),
         "ss_tag_frequency": json.dumps(facts.tag_frequency),
         "ss_training_started_at": str(facts.started_at),
         "ss_training_finished_at": str(facts.finished_at),

@@ -20,13 +20,16 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from toolkit.errors import UserError
 from toolkit.train.plan import Position, resumed_position
+
+if TYPE_CHECKING:
+    from toolkit.models.base import LoraComponent
 
 log = logging.getLogger("difftune")
 
@@ -208,11 +211,11 @@ def load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, sav
 
 @dataclass
 class TrainedParts:
-    """What a checkpoint saves and a resume loads besides the position: the adapter (on the trainable module,
-    saved under `prefix`), the optimizer, the LR scheduler and the fp16 grad scaler."""
+    """What a checkpoint saves and a resume loads besides the position: the adapter (on each trained component,
+    `LoraComponent`s: the denoiser and any text encoders, each saved under its prefix), the optimizer, the LR
+    scheduler and the fp16 grad scaler."""
 
-    module: torch.nn.Module
-    prefix: str
+    components: list[LoraComponent]
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     scaler: Any = None
@@ -274,11 +277,10 @@ class Checkpoints:
 
     def write_payload(self, folder: Path, step: int) -> None:
         """Everything but the RNG files; a float32 LoRA so that a resume continues exactly."""
-        from toolkit.network.lora import lora_state_dict, write_lora_file
+        from toolkit.network.lora import write_components_file
 
         parts = self.parts
-        write_lora_file(folder / LORA_FILE, lora_state_dict(parts.module, parts.prefix, torch.float32),
-                        self.lora_metadata(step), parts.module, parts.prefix)
+        write_components_file(folder / LORA_FILE, parts.components, torch.float32, self.lora_metadata(step))
         torch.save(parts.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         torch.save(parts.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         if parts.scaler is not None:
@@ -312,18 +314,24 @@ class Checkpoints:
 
     def load_trained_state(self, folder: Path) -> None:
         from toolkit.device import memory_debug
-        from toolkit.network.lora import compare_lora_state, load_lora_file, lora_state_dict
+        from toolkit.network.lora import (
+            compare_lora_state,
+            components_state_dict,
+            load_lora_state,
+            read_components_file,
+        )
 
         parts = self.parts
         lora_file = folder / LORA_FILE
-        problems = compare_lora_state(lora_state_dict(parts.module, parts.prefix, torch.float32),
-                                      load_safetensors(lora_file))
+        saved_lora = load_safetensors(lora_file, read_components_file)
+        problems = compare_lora_state(components_state_dict(parts.components, torch.float32), saved_lora)
         saved_optimizer = load_torch(folder / OPTIMIZER_FILE)
         problems += [f"{OPTIMIZER_FILE}: {problem}" for problem in optimizer_problems(saved_optimizer, parts.optimizer)]
         if problems:
             raise CheckpointError(f"checkpoint {folder} does not match the current config: " + "; ".join(problems))
         with memory_debug("LoRA load", self.debug_memory):
-            load_lora_file(parts.module, lora_file, parts.prefix)
+            for component in parts.components:
+                load_lora_state(component.module, saved_lora, component.prefix, str(lora_file))
         for change in load_optimizer_keeping_hyperparameters(parts.optimizer, saved_optimizer):
             log.info("optimizer setting changed since the checkpoint: %s", change)
         if parts.scaler is not None and (folder / SCALER_FILE).is_file():
@@ -362,13 +370,15 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
     return changes
 
 
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def load_safetensors(path: Path, read: Callable[[Path], dict[str, torch.Tensor]] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file (through `read` when given); missing or damaged files are named."""
     from safetensors.torch import load_file
 
     if not path.is_file():
         raise CheckpointError(f"checkpoint file missing: {path}")
     try:
-        return load_file(str(path))
+        return read(path) if read is not None else load_file(str(path))
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(f"{path}: unreadable: {err}") from err
 

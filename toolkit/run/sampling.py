@@ -96,14 +96,14 @@ class SampleRenderer:
 class Sampler:
     """The samples part of a run: renders `sample.prompts` on the main process with the encoders and sample-only
     models brought to the accelerator just for that (an offloaded text encoder visits alone, first, and has left
-    again before the sampling model arrives), the trained module in eval mode, and the global RNG untouched."""
+    again before the sampling model arrives), the trained modules in eval mode, and the global RNG untouched."""
 
     def __init__(self, renderer: SampleRenderer, adapter: ModelAdapter, placement: ModulePlacement,
-                 trained_module: torch.nn.Module, mirrors: list, is_main: bool, debug_memory: bool = False):
+                 trained_modules: list[torch.nn.Module], mirrors: list, is_main: bool, debug_memory: bool = False):
         self.renderer = renderer
         self.adapter = adapter
         self.placement = placement
-        self.trained_module = trained_module
+        self.trained_modules = trained_modules
         self.mirrors = mirrors
         self.is_main = is_main
         self.debug_memory = debug_memory
@@ -117,7 +117,8 @@ class Sampler:
         if not (self.enabled and self.is_main):
             return []
         device = self.placement.device
-        self.trained_module.eval()
+        for module in self.trained_modules:
+            module.eval()
         try:
             # fork_rng: whatever a pipeline draws from the global RNG is not taken from training's stream
             with memory_debug("sampling", self.debug_memory), torch.random.fork_rng(devices=cuda_devices(device)):
@@ -125,7 +126,8 @@ class Sampler:
                 with modules_on(self.modules_for(conditioning), device, while_moving=self.mirrors_detached):
                     return self.renderer.render(self.adapter, step, progress, conditioning)
         finally:
-            self.trained_module.train()
+            for module in self.trained_modules:
+                module.train()
             flush()
 
     def conditioning(self) -> list[dict | None]:

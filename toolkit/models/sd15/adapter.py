@@ -17,8 +17,17 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import DDPMNoiseSchedule
-from toolkit.models.base import LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
+from toolkit.models.base import (
+    LatentDist,
+    LoraComponent,
+    LoraFileFormat,
+    ModelAdapter,
+    PromptEmbeds,
+    SamplingParts,
+    clip_text_model_renames,
+)
 from toolkit.models.common import (
+    CLIP_TEXT_TARGETS,
     ClipTextRules,
     ddpm_scheduler,
     encoder_identity,
@@ -115,7 +124,6 @@ class SD15Adapter(ModelAdapter):
         # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
         return next(self.unet.parameters()).device
 
-    @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         tokens = self.tokenizer(
             prompts,
@@ -124,8 +132,16 @@ class SD15Adapter(ModelAdapter):
             truncation=True,
             return_tensors="pt",
         )
-        embeds = self.text_encoder(to_device(tokens.input_ids, self.text_encoder.device))[0]
+        with self.text_grad():
+            embeds = self.text_encoder(to_device(tokens.input_ids, self.text_encoder.device))[0]
         return PromptEmbeds(embeds, lengths=tokens.attention_mask.sum(dim=1))
+
+    def text_encoder_components(self) -> list[LoraComponent]:
+        te = self.text_encoder
+        return [LoraComponent(te, "text_encoder", "lora_te", clip_text_model_renames(te))]
+
+    def text_lora_target_modules(self) -> list[str]:
+        return list(CLIP_TEXT_TARGETS)
 
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
         return vae_latent_dist(self.vae, pixels)

@@ -8,7 +8,8 @@ from pydantic import Field
 
 from toolkit.models.config import DDPMOptions, FamilyFacts, ModelConfigBase
 
-FACTS = FamilyFacts(title="Stable Diffusion 1.x", conv_layers=True, ddpm_noise=True, guidance_rescale=True)
+FACTS = FamilyFacts(title="Stable Diffusion 1.x", conv_layers=True, ddpm_noise=True, guidance_rescale=True,
+                    text_encoder_lora=True)
 
 
 class SD15ModelConfig(ModelConfigBase, DDPMOptions):

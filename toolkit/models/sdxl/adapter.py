@@ -19,8 +19,17 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import DDPMNoiseSchedule
 from toolkit.errors import UserError
-from toolkit.models.base import LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
+from toolkit.models.base import (
+    LatentDist,
+    LoraComponent,
+    LoraFileFormat,
+    ModelAdapter,
+    PromptEmbeds,
+    SamplingParts,
+    clip_text_model_renames,
+)
 from toolkit.models.common import (
+    CLIP_TEXT_TARGETS,
     ClipTextRules,
     ddpm_scheduler,
     encoder_identity,
@@ -167,7 +176,6 @@ class SDXLAdapter(ModelAdapter):
 
     # ---- text and images ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """As StableDiffusionXLPipeline.encode_prompt: hidden layer -2 of both encoders side by side, and the second
         encoder's projected pooled output."""
@@ -175,12 +183,21 @@ class SDXLAdapter(ModelAdapter):
         for tokenizer, encoder in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
             tokens = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                                return_tensors="pt")
-            output = encoder(to_device(tokens.input_ids, encoder.device), output_hidden_states=True)
+            with self.text_grad():
+                output = encoder(to_device(tokens.input_ids, encoder.device), output_hidden_states=True)
             hidden.append(output.hidden_states[-2])
             if lengths is None:
                 lengths = tokens.attention_mask.sum(dim=1)
             pooled = output[0]
         return PromptEmbeds(torch.cat(hidden, dim=-1), lengths=lengths, pooled=pooled)
+
+    def text_encoder_components(self) -> list[LoraComponent]:
+        return [LoraComponent(self.text_encoder, "text_encoder", "lora_te1", clip_text_model_renames(self.text_encoder)),
+                LoraComponent(self.text_encoder_2, "text_encoder_2", "lora_te2",
+                              clip_text_model_renames(self.text_encoder_2))]
+
+    def text_lora_target_modules(self) -> list[str]:
+        return list(CLIP_TEXT_TARGETS)
 
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
         return vae_latent_dist(self.vae, pixels)

@@ -8,7 +8,8 @@ from pydantic import Field
 
 from toolkit.models.config import DDPMOptions, FamilyFacts, ModelConfigBase
 
-FACTS = FamilyFacts(title="Stable Diffusion XL", conv_layers=True, ddpm_noise=True, guidance_rescale=True)
+FACTS = FamilyFacts(title="Stable Diffusion XL", conv_layers=True, ddpm_noise=True, guidance_rescale=True,
+                    text_encoder_lora=True)
 
 
 class SDXLModelConfig(ModelConfigBase, DDPMOptions):

@@ -42,8 +42,9 @@ def accepted_params(name: str) -> set[str]:
     return names - {"params", "lr", "kwargs", "self"}
 
 
-def build_optimizer(section: OptimizerSection, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer over the trained parameters; `optimizer_params` were checked with the config."""
+def build_optimizer(section: OptimizerSection, params: list[torch.nn.Parameter] | list[dict]) -> torch.optim.Optimizer:
+    """The optimizer over the trained parameters, or over parameter groups (a group's own `lr` wins over `lr`);
+    `optimizer_params` were checked with the config."""
     return optimizer_class(section.optimizer)(params, lr=section.lr, **section.optimizer_params)
 
 

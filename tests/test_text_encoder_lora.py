@@ -1,0 +1,169 @@
+"""LoRA on the text encoders too (`network.train_text_encoder`): its own LR in the same schedule, files that
+diffusers and kohya-style loaders apply to the text encoders, exact resume, gradients averaged over processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from helpers import REPO, launch, trainer_process, write_job
+from instrumented_run import interrupt_after
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_sdxl_training import per_update, sdxl_data, sdxl_process
+
+import run
+from jobs.job import get_job
+from toolkit.config.loader import ConfigError, load_config
+from toolkit.run.metrics import read_metrics
+
+PROMPT = "shp, a blob"
+
+
+@pytest.fixture(scope="module")
+def te_trained(tmp_path_factory, registry, tiny_sdxl):
+    tmp = tmp_path_factory.mktemp("sdxl_te")
+    process = sdxl_process(
+        tmp, network={"linear": 4, "linear_alpha": 8, "train_text_encoder": True},
+        train={"steps": 12, "lr": 2e-3, "text_encoder_lr": 5e-4, "lr_scheduler": "cosine", "batch_size": 2},
+        save={"save_every": 6, "formats": ["diffusers"]},
+        sample={"sample_every": 6, "prompts": [PROMPT], "sample_steps": 2, "width": 64, "height": 64})
+    process["datasets"][0]["caption_dropout_rate"] = 0.2
+    config, path = load_config(str(write_job(tmp / "job.yaml", "te", process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    return job.processes[0], tmp / "output" / "te"
+
+
+@pytest.mark.slow
+def test_the_text_encoder_lr_follows_the_same_schedule(te_trained):
+    _, run_dir = te_trained
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert len(records) == 12 and all(np.isfinite(r["loss"]) for r in records)
+    assert all(r["lr_text_encoder"] == pytest.approx(r["lr"] * 0.25, rel=1e-9) for r in records)
+    assert records[-1]["lr"] < records[0]["lr"]  # cosine
+
+
+@pytest.mark.slow
+def test_both_files_carry_the_text_encoders_and_load_alike(te_trained, tiny_sdxl):
+    """kohya names (`lora_te1_text_model_encoder_...`, `lora_te2_...`) and diffusers' (`text_encoder.`,
+    `text_encoder_2.`): StableDiffusionXLPipeline applies both to its text encoders, with the same result as the
+    trained model's own encoders."""
+    trainer, run_dir = te_trained
+    with safe_open(str(run_dir / "te.safetensors"), "pt") as handle:
+        keys, header = list(handle.keys()), handle.metadata()
+    assert "lora_te1_text_model_encoder_layers_0_self_attn_out_proj.lora_down.weight" in keys
+    assert "lora_te2_text_model_encoder_layers_2_mlp_fc2.alpha" in keys
+    assert any(k.startswith("lora_unet_input_blocks_") for k in keys)
+    assert header["ss_text_encoder_lr"] == "0.0005" and header["ss_unet_lr"] == "0.002"
+    diffusers_keys = load_file(str(run_dir / "te.diffusers.safetensors")).keys()
+    assert any(k.startswith("text_encoder.encoder.layers.0.self_attn.q_proj.") for k in diffusers_keys)
+    assert any(k.startswith("text_encoder_2.text_model.encoder.layers.") for k in diffusers_keys)
+
+    def embeds(pipe):
+        embeds, _, pooled, _ = pipe.encode_prompt(PROMPT, device="cpu", do_classifier_free_guidance=False)
+        return embeds, pooled
+
+    pipes = {}
+    for name in (None, "te.safetensors", "te.diffusers.safetensors"):
+        pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl)
+        if name:
+            pipe.load_lora_weights(str(run_dir), weight_name=name)
+        pipes[name] = pipe
+    base, kohya, ours = (embeds(pipes[name]) for name in pipes)
+    for module in (trainer.adapter.text_encoder, trainer.adapter.text_encoder_2):
+        module.eval()
+    with torch.no_grad():
+        trained = trainer.adapter.encode_prompts([PROMPT])
+    assert (kohya[0] - base[0]).abs().max() > 1e-3 and (kohya[1] - base[1]).abs().max() > 1e-3
+    assert torch.allclose(kohya[0], ours[0], atol=1e-5) and torch.allclose(kohya[1], ours[1], atol=1e-5)
+    assert torch.allclose(trained.embeds, kohya[0], atol=1e-5) and torch.allclose(trained.pooled, kohya[1], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_rerun_continue_exactly_with_the_text_encoders(tmp_path, tiny_sdxl):
+    process = sdxl_process(
+        tmp_path, network={"linear": 4, "linear_alpha": 4, "dropout": 0.1, "train_text_encoder": True},
+        train={"steps": 6, "gradient_accumulation": 2, "lr_scheduler": "linear", "text_encoder_lr": 1e-3},
+        save={"save_every": 2, "max_step_saves_to_keep": 3})
+    process["datasets"][0].update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"),
+                                  caption_dropout_rate=0.2, shuffle_tokens=True)
+    assert run.main([str(write_job(tmp_path / "a.yaml", "straight", process))]) == 0
+    stopped = write_job(tmp_path / "b.yaml", "resumed", process)
+    with interrupt_after(3):
+        assert run.main([str(stopped)]) == 0
+    assert run.main([str(stopped)]) == 0
+    straight, resumed = tmp_path / "output" / "straight", tmp_path / "output" / "resumed"
+    assert per_update(resumed) == per_update(straight)
+    ours, theirs = load_file(str(resumed / "resumed.safetensors")), load_file(str(straight / "straight.safetensors"))
+    assert any(k.startswith("lora_te2_") for k in theirs)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_keep_the_text_encoder_loras_identical(tmp_path, tiny_sdxl):
+    """The text encoders are outside DDP; their gradients are averaged by hand, so every process must hold the
+    same text-encoder LoRA at the end (and the same UNet LoRA, through DDP)."""
+    process = sdxl_process(tmp_path, network={"linear": 4, "linear_alpha": 4, "train_text_encoder": True},
+                           train={"steps": 4, "gradient_accumulation": 2})
+    job = write_job(tmp_path / "job.yaml", "two", process)
+    record = tmp_path / "record"
+    record.mkdir()
+    result = launch(job, 2, tmp_path, script=REPO / "tests" / "instrumented_run.py",
+                    env={"DIFFTUNE_TEST_RECORD_LORA": str(record)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = (load_file(str(record / f"rank{r}.safetensors")) for r in (0, 1))
+    text = [k for k in first if k.startswith("text_encoder")]
+    assert text and first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    initial_up = [k for k in text if k.endswith("lora.up.weight")]
+    assert any(first[k].abs().max() > 0 for k in initial_up)  # the text encoders did train
+
+
+@pytest.mark.slow
+def test_sd15_text_encoder_lora_loads_in_diffusers(tmp_path, registry, tiny_sd15):
+    """SD 1.x: kohya's `lora_te_text_model_encoder_...` names, applied by StableDiffusionPipeline."""
+    process = trainer_process(tmp_path, network={"linear": 4, "linear_alpha": 4, "train_text_encoder": True},
+                              train={"steps": 4, "lr": 5e-3})
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "sd15te", process)), registry)
+    get_job(config, path, registry).run()
+    run_dir = tmp_path / "output" / "sd15te"
+    keys = load_file(str(run_dir / "sd15te.safetensors")).keys()
+    assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in keys
+
+    def embeds(weight_name):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15, safety_checker=None, requires_safety_checker=False)
+        if weight_name:
+            pipe.load_lora_weights(str(run_dir), weight_name=weight_name)
+        return pipe.encode_prompt("shp", "cpu", 1, False)[0]
+
+    assert (embeds("sd15te.safetensors") - embeds(None)).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("network, train, save, message", [
+    ({"train_text_encoder": True}, {"cache_text_embeddings": True}, {},
+     "network.train_text_encoder and train.cache_text_embeddings"),
+    ({"train_text_encoder": True}, {"blank_prompt_preservation": True}, {},
+     "network.train_text_encoder and train.blank_prompt_preservation"),
+    ({"train_text_encoder": True}, {}, {"formats": ["peft"]}, r"network.train_text_encoder and save.formats: \[peft\]"),
+    ({}, {"text_encoder_lr": 1e-5}, {}, "train.text_encoder_lr applies only with network.train_text_encoder"),
+])
+def test_combinations_a_trained_text_encoder_cannot_run_are_refused(tmp_path, registry, network, train, save,
+                                                                    message):
+    process = sdxl_process(tmp_path, network=network, train=train, save=save)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)
+
+
+def test_families_without_text_encoder_lora_refuse_it(tmp_path, registry):
+    process = trainer_process(tmp_path, model={"arch": "zimage", "name_or_path": "tiny"},
+                              network={"train_text_encoder": True})
+    with pytest.raises(ConfigError, match="network.train_text_encoder: the zimage family"):
+        load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)
+
+
+def test_sdxl_data_has_two_buckets(tmp_path):
+    folder = sdxl_data(tmp_path / "data")
+    assert len(list(folder.glob("*.png"))) == 8
