@@ -164,13 +164,38 @@ def report_user_error(err: Exception, args: argparse.Namespace) -> None:
         log.error("%s", err)
 
 
+def load_for_names(family, arch: str, source: Path, given: str | None, in_header: str | None):
+    """The model whose module names resolve a file's names (kohya's flattened ones, another layout, text encoders):
+    `--model`, else the base model its header names; loaded on the CPU for that only."""
+    import torch
+
+    from toolkit.models.registry import model_config
+
+    model = given or in_header
+    if not model:
+        raise ValueError(f"{source}: converting it needs the model's module names; give --model")
+    try:
+        return family.load(model_config(arch=arch, name_or_path=model), torch.device("cpu"), torch.float32)
+    except (OSError, ValueError) as err:
+        said = "--model" if given else "the base model its header names (a local path is reduced to its last " \
+            "component there)"
+        raise ValueError(f"{source}: converting it needs the model's module names, and {said}, {model!r}, did not "
+                         f"load ({err}); give --model with the model's folder, file or hub id") from err
+
+
 def convert_lora(args: argparse.Namespace) -> int:
     """--convert-lora: the same conversion code as saving, between the ComfyUI/kohya form, the diffusers form and
     a peft folder; kohya's flattened names are resolved against the model's real module names (the model is
     loaded for that only)."""
     from toolkit.errors import UserError
-    from toolkit.models.registry import get_adapter_class, model_config
-    from toolkit.network.files import convert_file, is_comfy_file, read_header
+    from toolkit.models.registry import get_adapter_class
+    from toolkit.network.files import (
+        ComponentNaming,
+        convert_file,
+        has_other_components,
+        is_comfy_file,
+        read_header,
+    )
 
     source, target = Path(args.convert_lora[0]), Path(args.convert_lora[1])
     try:
@@ -179,25 +204,19 @@ def convert_lora(args: argparse.Namespace) -> int:
         if arch is None:
             raise ValueError(f"{source}: its header does not name the model family; give --arch")
         family = get_adapter_class(arch)
-        names = None
+        files = family.files
         # kohya names are flattened (reading them needs the real module names); some families' kohya names also
-        # follow another module layout (writing them needs the model's structure)
-        relayout = args.to == "comfy" and family.files.comfy_renames is not None
-        if family.files.comfy_separator == "_" and (is_comfy_file(source, family.files) or relayout):
-            model = args.model or header.get("difftune_base_model")
-            if not model:
-                raise ValueError(f"{source}: kohya names need the model's module names; give --model")
-            import torch
-
-            try:
-                adapter = family.load(model_config(arch=arch, name_or_path=model), torch.device("cpu"), torch.float32)
-            except (OSError, ValueError) as err:
-                given = "--model" if args.model else "the base model its header names (a local path is reduced to " \
-                    "its last component there)"
-                raise ValueError(f"{source}: kohya names need the model's module names, and {given}, {model!r}, "
-                                 f"did not load ({err}); give --model with the model's folder, file or hub id") from err
-            names = [name for name, _ in adapter.trainable_module().named_modules() if name]
-        count = convert_file(source, target, args.to, family.files, names)
+        # follow another module layout (writing them needs the model's structure); text-encoder weights need the
+        # text encoders' module trees
+        relayout = args.to == "comfy" and files.comfy_renames is not None
+        others = family.facts.text_encoder_lora and has_other_components(source, files)
+        if others or (files.comfy_separator == "_" and (is_comfy_file(source, files) or relayout)):
+            adapter = load_for_names(family, arch, source, args.model, header.get("difftune_base_model"))
+            components = adapter.lora_components(text_encoders=others)
+            namings = [ComponentNaming.of(c) for c in components]
+        else:
+            namings = [ComponentNaming.of_files(files)]
+        count = convert_file(source, target, args.to, namings)
     except (ValueError, OSError, UserError) as err:  # FileNotFoundError included
         log.error("%s", err)
         return 2

@@ -20,7 +20,7 @@ from toolkit.config.schema import NetworkConfig
 from toolkit.errors import UserError
 from toolkit.models.sd15.adapter import SD15Adapter
 from toolkit.models.zimage.adapter import ZImageAdapter
-from toolkit.network.files import convert_file, load_pretrained
+from toolkit.network.files import ComponentNaming, convert_file, load_pretrained
 from toolkit.network.lora import (
     adapter_layers,
     add_lora,
@@ -80,8 +80,8 @@ def test_diffusers_comfy_diffusers_round_trip_keeps_every_delta(arch, kind, tmp_
     write_lora_file(ours, lora_state_dict(module, family.files.prefix, torch.float32), {}, module, family.files.prefix)
     names = [name for name, _ in module.named_modules() if name]
     forms = {"comfy": tmp_path / "comfy.safetensors", "back": tmp_path / "back.safetensors"}
-    convert_file(ours, forms["comfy"], "comfy", family.files, None)
-    convert_file(forms["comfy"], forms["back"], "diffusers", family.files, names)
+    convert_file(ours, forms["comfy"], "comfy", [ComponentNaming.of_files(family.files)])
+    convert_file(forms["comfy"], forms["back"], "diffusers", [ComponentNaming.of_files(family.files, names)])
     for path in (ours, forms["comfy"], forms["back"]):
         _, fresh = adapted(arch, NetworkConfig(type=kind, linear=4, linear_alpha=1), seed=None)
         load_pretrained(fresh, path, family.files)

@@ -54,7 +54,8 @@ def test_size_conditioning_is_the_crop_the_data_made(tmp_path, adapter, pipe):
     in the order of the pipeline's `_get_add_time_ids`; the training forward with them equals the UNet called
     with the pipeline's own conditioning."""
     make_image(tmp_path / "wide.png", (150, 61), caption="wide")
-    dataset = build_dataset([DatasetConfig(folder_path=str(tmp_path), resolution=[64])], None, adapter.divisor)
+    dataset = build_dataset([DatasetConfig(folder_path=str(tmp_path), resolution=[64])], None, adapter.divisor,
+                            sizes=True)
     item = dataset.items[0]
     width, height = item.bucket
     sizes = image_sizes(item)
@@ -228,7 +229,7 @@ def test_cached_entries_keep_the_size_conditioning(tmp_path, adapter):
 
     make_image(tmp_path / "data" / "tall.png", (40, 130), caption="tall")
     dataset = build_dataset([DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64])], None,
-                            adapter.divisor)
+                            adapter.divisor, sizes=True)
     cache = LatentCache(dataset, {0: tmp_path / "cache"}, {0: True}, adapter.encoder_identity("image"))
 
     class OneProcess:
@@ -238,11 +239,22 @@ def test_cached_entries_keep_the_size_conditioning(tmp_path, adapter):
             pass
 
     cache.build(adapter, OneProcess())
+    item = dataset.items[0]
+    width, height = item.bucket
+    scale = max(width / 40, height / 130)
+    expected = [130, 40, (round(130 * scale) - height) // 2, (round(40 * scale) - width) // 2, height, width]
+    assert expected[2] + expected[3] > 0  # the bucket crops the image: the offset is real
     written = load_file(str(cache.path(0)))
-    assert torch.equal(written["image_sizes"], image_sizes(dataset.items[0]))
+    assert written["image_sizes"].tolist() == expected
     dataset.latents = cache
-    assert torch.equal(dataset[0]["image_sizes"], image_sizes(dataset.items[0]))
-    assert "pixels" not in dataset[0]
+    assert dataset[0]["image_sizes"].tolist() == expected and "pixels" not in dataset[0]
+
+    # an entry written before entries kept the sizes: the same crop plan gives them
+    save_file({"mean": written["mean"], "std": written["std"]}, str(cache.path(0)))
+    assert dataset[0]["image_sizes"].tolist() == expected
+    # families without size conditioning do without them
+    plain = build_dataset([DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64])], None, adapter.divisor)
+    assert "image_sizes" not in plain[0]
 
 
 def test_prompt_embeds_move_their_pooled_embedding():

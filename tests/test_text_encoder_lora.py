@@ -11,7 +11,7 @@ from helpers import REPO, launch, trainer_process, write_job
 from instrumented_run import interrupt_after
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_sdxl_training import per_update, sdxl_data, sdxl_process
+from test_sdxl_training import per_update, sdxl_process
 
 import run
 from jobs.job import get_job
@@ -58,7 +58,8 @@ def test_both_files_carry_the_text_encoders_and_load_alike(te_trained, tiny_sdxl
     assert any(k.startswith("lora_unet_input_blocks_") for k in keys)
     assert header["ss_text_encoder_lr"] == "0.0005" and header["ss_unet_lr"] == "0.002"
     diffusers_keys = load_file(str(run_dir / "te.diffusers.safetensors")).keys()
-    assert any(k.startswith("text_encoder.encoder.layers.0.self_attn.q_proj.") for k in diffusers_keys)
+    # diffusers' names keep CLIP's `text_model.` level (transformers 5's CLIPTextModel lacks it; the loader strips it)
+    assert "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_linear_layer.down.weight" in diffusers_keys
     assert any(k.startswith("text_encoder_2.text_model.encoder.layers.") for k in diffusers_keys)
 
     def embeds(pipe):
@@ -79,6 +80,31 @@ def test_both_files_carry_the_text_encoders_and_load_alike(te_trained, tiny_sdxl
     assert (kohya[0] - base[0]).abs().max() > 1e-3 and (kohya[1] - base[1]).abs().max() > 1e-3
     assert torch.allclose(kohya[0], ours[0], atol=1e-5) and torch.allclose(kohya[1], ours[1], atol=1e-5)
     assert torch.allclose(trained.embeds, kohya[0], atol=1e-5) and torch.allclose(trained.pooled, kohya[1], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_convert_lora_keeps_the_text_encoders_both_ways(te_trained, tiny_sdxl, tmp_path):
+    """diffusers -> kohya gives the trained kohya file; kohya -> diffusers (alphas folded) gives the same text
+    embeddings in the pipeline; a peft folder, which holds one model, is refused by name."""
+    _, run_dir = te_trained
+    comfy, back = tmp_path / "comfy.safetensors", tmp_path / "back.safetensors"
+    assert run.main(["--convert-lora", str(run_dir / "te.diffusers.safetensors"), str(comfy), "--to", "comfy",
+                     "--model", str(tiny_sdxl)]) == 0
+    converted, primary = load_file(str(comfy)), load_file(str(run_dir / "te.safetensors"))
+    assert converted.keys() == primary.keys()
+    assert all(torch.allclose(converted[k].float(), primary[k].float(), atol=1e-6) for k in primary)
+    assert run.main(["--convert-lora", str(comfy), str(back), "--to", "diffusers", "--model", str(tiny_sdxl)]) == 0
+    assert any(k.startswith("text_encoder_2.") for k in load_file(str(back)))
+
+    def embeds(weight_name):
+        pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl)
+        folder = tmp_path if weight_name == back.name else run_dir
+        pipe.load_lora_weights(str(folder), weight_name=weight_name)
+        return pipe.encode_prompt(PROMPT, device="cpu", do_classifier_free_guidance=False)[2]
+
+    assert torch.allclose(embeds(back.name), embeds("te.safetensors"), atol=1e-5)
+    assert run.main(["--convert-lora", str(comfy), str(tmp_path / "peft"), "--to", "peft",
+                     "--model", str(tiny_sdxl)]) == 2
 
 
 @pytest.mark.slow
@@ -149,6 +175,8 @@ def test_sd15_text_encoder_lora_loads_in_diffusers(tmp_path, registry, tiny_sd15
      "network.train_text_encoder and train.blank_prompt_preservation"),
     ({"train_text_encoder": True}, {}, {"formats": ["peft"]}, r"network.train_text_encoder and save.formats: \[peft\]"),
     ({}, {"text_encoder_lr": 1e-5}, {}, "train.text_encoder_lr applies only with network.train_text_encoder"),
+    ({"train_text_encoder": True}, {"optimizer": "adafactor", "lr": 0, "text_encoder_lr": 1e-4}, {},
+     "for the text encoders too, so `text_encoder_lr` would not apply"),
 ])
 def test_combinations_a_trained_text_encoder_cannot_run_are_refused(tmp_path, registry, network, train, save,
                                                                     message):
@@ -164,6 +192,30 @@ def test_families_without_text_encoder_lora_refuse_it(tmp_path, registry):
         load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)
 
 
-def test_sdxl_data_has_two_buckets(tmp_path):
-    folder = sdxl_data(tmp_path / "data")
-    assert len(list(folder.glob("*.png"))) == 8
+def test_a_components_file_of_the_denoiser_alone_is_the_single_module_file(tmp_path):
+    """Checkpoints written before text encoders could train hold `write_lora_file`'s output; with one component
+    `write_components_file` writes exactly that (keys, tensors and header), so those checkpoints still resume."""
+    from diffusers import UNet2DConditionModel
+
+    from toolkit.config.sections import NetworkConfig
+    from toolkit.models.base import LoraComponent
+    from toolkit.network.lora import (
+        add_lora,
+        lora_state_dict,
+        read_components_file,
+        write_components_file,
+        write_lora_file,
+    )
+
+    unet = UNet2DConditionModel(block_out_channels=(16, 32), norm_num_groups=8, cross_attention_dim=8,
+                                attention_head_dim=4, layers_per_block=1, sample_size=8,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    add_lora(unet, NetworkConfig(linear=2, linear_alpha=4), ["to_q", "to_v"])
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    write_lora_file(old, lora_state_dict(unet, "unet", torch.float32), {"k": "v"}, unet, "unet")
+    write_components_file(new, [LoraComponent(unet, "unet", "lora_unet")], torch.float32, {"k": "v"})
+    ours, theirs = load_file(str(new)), load_file(str(old))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert safe_open(str(new), "pt").metadata() == safe_open(str(old), "pt").metadata()
+    assert read_components_file(old, [LoraComponent(unet, "unet", "lora_unet")]).keys() == theirs.keys()

@@ -160,14 +160,15 @@ class BaseSDTrainProcess(BaseProcess):
         module = adapter.trainable_module()
         groups = [{"params": add_lora(module, network, adapter.lora_target_modules(), adapter.conv_target_modules())}]
         self.text_params: list[torch.nn.Parameter] = []
+        #: the text encoders' LR of the last update (None while they do not train)
+        self.text_encoder_lr: float | None = None
         if network.train_text_encoder:
             # the family's text targets at the same rank and alpha; module filters and conv ranks are the denoiser's
             text_network = network.model_copy(update={"target_modules": None, "only_if_contains": None,
                                                       "ignore_if_contains": None, "conv": None, "conv_alpha": None})
             for component in adapter.text_encoder_components():
                 self.text_params += add_lora(component.module, text_network, adapter.text_lora_target_modules())
-            lr = train.text_encoder_lr if train.text_encoder_lr is not None else train.lr
-            groups.append({"params": self.text_params, "lr": lr})
+            groups.append({"params": self.text_params, "lr": train.text_lr})
             adapter.text_encoders_train = True
         self.components = adapter.lora_components(text_encoders=network.train_text_encoder)
         if network.pretrained_lora_path:
@@ -445,8 +446,7 @@ class BaseSDTrainProcess(BaseProcess):
             tag_frequency=tags,
             started_at=self.checkpoints.started_at, finished_at=time.time(), trigger_word=cfg.trigger_word,
             config=cfg.model_dump(mode="json"), zero_terminal_snr=cfg.train.zero_terminal_snr,
-            text_encoder_lr=(cfg.train.text_encoder_lr if cfg.train.text_encoder_lr is not None else cfg.train.lr)
-            if cfg.network.train_text_encoder else None,
+            text_encoder_lr=cfg.train.text_lr if cfg.network.train_text_encoder else None,
         )
 
     def final_forms(self) -> list[str]:

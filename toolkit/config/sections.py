@@ -191,13 +191,19 @@ class OptimizerSection(Section):
                       "which picks its own).", json_schema_extra=aka("learning_rate", "unet_lr"))
     text_encoder_lr: float | None = Field(
         None, ge=0, description="Peak learning rate of the text-encoder LoRA (`network.train_text_encoder`); "
-        "default `lr`. Follows the same schedule.", json_schema_extra=aka("text_encoder_lr", "te_lr"))
+        "default `lr`. The schedule scales it by the same factor as `lr` at every update (with `polynomial`, its end "
+        "value is lr_end x text_encoder_lr / lr).", json_schema_extra=aka("text_encoder_lr", "te_lr"))
     optimizer_params: dict[str, Any] = Field(
         {}, description="Extra keyword arguments of the optimizer (e.g. weight_decay, betas).",
         json_schema_extra=aka("optimizer_args"),
     )
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 disables clipping.",
                                  json_schema_extra=aka("clip_grad_norm"))
+
+    @property
+    def text_lr(self) -> float:
+        """The text encoders' peak LR: `text_encoder_lr`, else `lr`."""
+        return self.lr if self.text_encoder_lr is None else self.text_encoder_lr
 
 
 class LRScheduleSection(Section):
@@ -316,6 +322,9 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
         if self.lr_scheduler not in ("constant", "constant_with_warmup") or self.lr_warmup_steps or self.lr_warmup_ratio:
             problems.append(f"{why}; an LR schedule or warmup would not apply: use lr_scheduler: constant, no "
                             "warmup, or set optimizer_params.relative_step: false")
+        if self.text_encoder_lr is not None:
+            problems.append(f"{why}, for the text encoders too, so `text_encoder_lr` would not apply: remove it, or "
+                            "set optimizer_params.relative_step: false")
         return problems
 
     @field_validator("resume")

@@ -131,12 +131,14 @@ class ImageDataset(torch.utils.data.Dataset):
     """All datasets of a job as one list of items; batches are formed by the bucket sampler.
 
     With a latent cache attached, covered items come as the cached latent distribution instead of pixels
-    (no image is decoded); a batch never mixes the two (see `bucket_keys`). Every sample carries its
-    `image_sizes`: from the cache entry when cached (what its latent was made from), else from the crop plan.
+    (no image is decoded); a batch never mixes the two (see `bucket_keys`). With `sizes` (families conditioned
+    on them, SDXL), every sample carries its `image_sizes`: from the cache entry when cached (what its latent was
+    made from), else from the crop plan; other families' batches do without.
     """
 
-    def __init__(self, items: list[TrainItem]):
+    def __init__(self, items: list[TrainItem], sizes: bool = False):
         self.items = items
+        self.sizes = sizes
         self.latents = None
 
     def __len__(self) -> int:
@@ -150,10 +152,12 @@ class ImageDataset(torch.utils.data.Dataset):
             sample["latent_mean"] = dist.mean
             if dist.std is not None:
                 sample["latent_std"] = dist.std
-            sample["image_sizes"] = sizes
+            if self.sizes:
+                sample["image_sizes"] = sizes
         else:
             sample["pixels"] = load_pixels(item)
-            sample["image_sizes"] = image_sizes(item)
+            if self.sizes:
+                sample["image_sizes"] = image_sizes(item)
         return sample
 
     def bucket_keys(self) -> list[tuple]:
@@ -161,11 +165,13 @@ class ImageDataset(torch.utils.data.Dataset):
         return [(*item.bucket, cached(i)) for i, item in enumerate(self.items)]
 
 
-def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: int) -> ImageDataset:
+def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: int,
+                  sizes: bool = False) -> ImageDataset:
+    """`sizes`: samples carry their `image_sizes` (families conditioned on them)."""
     items: list[TrainItem] = []
     for number, cfg in enumerate(cfgs):
         items += items_for_dataset(scan_folder(cfg, trigger_word), cfg, divisor, number)
-    return ImageDataset(items)
+    return ImageDataset(items, sizes)
 
 
 def collate(samples: list[dict]) -> dict:

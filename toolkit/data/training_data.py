@@ -30,7 +30,8 @@ class TrainingData:
         self.train = train
         self.adapter = adapter
         self.placement = placement
-        self.dataset: ImageDataset = build_dataset(datasets, trigger_word, adapter.divisor)
+        self.dataset: ImageDataset = build_dataset(datasets, trigger_word, adapter.divisor,
+                                                   sizes=adapter.facts.size_conditioning)
         self.batch_sampler = BucketBatchSampler(self.dataset.bucket_keys(), train.batch_size, train.seed)
         self.conditioning: LiveCaptions | CachedCaptions | None = None
         self.dataloader = None

@@ -85,6 +85,17 @@ class LoraComponent:
     comfy_renames: dict[str, str] = field(default_factory=dict)
     #: how the ComfyUI prefix and the module path join ("_": kohya's flattened names, or ".")
     comfy_separator: str = "_"
+    #: a text encoder: the diffusers form uses diffusers' text-encoder key names and `diffusers_renames`
+    text_encoder: bool = False
+    #: {module path prefix: the diffusers file's path} (a CLIP text model's `text_model.` level, see
+    #: `clip_text_model_renames`)
+    diffusers_renames: dict[str, str] = field(default_factory=dict)
+
+
+def text_encoder_component(module: torch.nn.Module, prefix: str, comfy_prefix: str) -> LoraComponent:
+    """A CLIP text encoder a LoRA trains: kohya and diffusers both name its modules under `text_model.`."""
+    renames = clip_text_model_renames(module)
+    return LoraComponent(module, prefix, comfy_prefix, renames, "_", text_encoder=True, diffusers_renames=renames)
 
 
 def denoiser_component(module: torch.nn.Module, files: LoraFileFormat) -> LoraComponent:

@@ -27,6 +27,8 @@ class FamilyFacts:
     guidance_rescale: bool = False
     #: LoRA on the text encoders too (`network.train_text_encoder`)
     text_encoder_lora: bool = False
+    #: the denoiser is conditioned on each image's original size, crop and target size (`image_sizes`)
+    size_conditioning: bool = False
 
 
 class ModelConfigBase(Section):

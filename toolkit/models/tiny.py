@@ -18,6 +18,19 @@ from pathlib import Path
 #: written last into a finished preset folder
 COMPLETE_MARK = "difftune_tiny_preset.json"
 
+#: the tiny 4-channel VAE of the Stable Diffusion presets (/8, as the real one)
+TINY_SD_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    block_out_channels=(16, 16, 32, 32),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    latent_channels=4,
+    layers_per_block=1,
+    norm_num_groups=8,
+    sample_size=64,
+)
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("DIFFTUNE_CACHE", Path.home() / ".cache" / "difftune"))

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,10 +33,12 @@ from toolkit.network.lora import (
     PEFT_KEY_PREFIX,
     PEFT_WEIGHTS,
     compare_lora_state,
+    from_diffusers_form,
     load_lora_state,
     lora_state_dict,
     module_scales,
     save_peft_folder,
+    to_diffusers_form,
     write_safetensors,
 )
 
@@ -121,7 +124,8 @@ def module_names(module: torch.nn.Module) -> list[str]:
 
 
 def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str, model_modules: list[str] | None,
-                      renames: Mapping[str, str] = EMPTY, others_trained: bool = False
+                      renames: Mapping[str, str] = EMPTY, others_trained: bool = False,
+                      diffusers_renames: Mapping[str, str] = EMPTY
                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """(weights keyed `<prefix>.<module>.<weight>` in difftune's form, the scale each module's delta carries).
     Scales come from the diffusers header (peft's alpha / r), from ComfyUI `.alpha` keys (alpha / rank), or
@@ -134,11 +138,10 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
     else:
         state, metadata = read_safetensors(path)
     if not is_comfy_form(state, comfy_prefix, separator):
-        # peft-named files (`.lora_A.` / `.lora_B.`) are diffusers files too: one form from here on
-        # and diffusers' text-encoder names (`.lora_linear_layer.`) too
-        weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up.")
-                   .replace(".lora_linear_layer.", ".lora."): value
-                   for key, value in state.items() if key.startswith(prefix + ".")}
+        # peft-named files (`.lora_A.` / `.lora_B.`) are diffusers files too, and diffusers' text-encoder names
+        # (`.lora_linear_layer.`, under `text_model.`): one form from here on
+        weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+                   for key, value in from_diffusers_form(state, prefix, diffusers_renames).items()}
         if not weights:
             raise UserError(f"{path}: no adapter weights under `{prefix}.` or `{comfy_prefix}{separator}` (not an "
                              "adapter for this model family?)")
@@ -237,7 +240,8 @@ def load_component(component: LoraComponent, path: Path, others_trained: bool = 
     module, prefix = component.module, component.prefix
     ours = module_scales(module)
     weights, scales = read_adapter_file(path, prefix, component.comfy_prefix, component.comfy_separator,
-                                        module_names(module), component.comfy_renames, others_trained)
+                                        module_names(module), component.comfy_renames, others_trained,
+                                        component.diffusers_renames)
     problems = compare_lora_state(lora_state_dict(module, prefix, torch.float32), weights)
     if problems:
         raise UserError(f"network.pretrained_lora_path {path} does not fit network (type, ranks, targets) for "
@@ -265,25 +269,84 @@ def write_comfy_file(path: Path, components: list[LoraComponent], dtype: torch.d
     write_safetensors(path, state, metadata, kohya_hashes)
 
 
-def convert_file(source: Path, target: Path, to: str, files: LoraFileFormat, model_modules: list[str] | None) -> int:
-    """Rewrite an adapter in another form (`comfy`, `diffusers`, or a `peft` folder); deltas unchanged. To
-    diffusers, the scales are folded into the weights (alpha = rank, what every diffusers loader assumes without a
-    header). The header's metadata is kept, its kohya hashes recomputed for the new tensors. Returns the modules."""
-    prefix, comfy_prefix, separator = files.prefix, files.comfy_prefix, files.comfy_separator
-    renames = layout_renames(files, model_modules)
-    if files.comfy_renames is not None and not model_modules and to == "comfy":
+@dataclass(frozen=True)
+class ComponentNaming:
+    """How one trained component's weights are named in each form: what converting a file needs (no LoRA on the
+    model). `module_names`: the model's module paths under it (kohya's flattened names are matched against them;
+    None where no model was loaded)."""
+
+    prefix: str
+    comfy_prefix: str
+    separator: str = "_"
+    renames: Mapping[str, str] = field(default_factory=dict)
+    module_names: list[str] | None = None
+    #: a text encoder: diffusers' loaders want its text-encoder key names in the diffusers form
+    text_encoder: bool = False
+    #: kohya names follow another layout that only the model's module names give (and they are missing)
+    layout_unknown: bool = False
+    #: module path renames of the diffusers form (a CLIP text model's `text_model.` level)
+    diffusers_renames: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of_files(cls, files: LoraFileFormat, names: list[str] | None = None) -> ComponentNaming:
+        """The family's trained module, with the model's module names where they are known."""
+        return cls(files.prefix, files.comfy_prefix, files.comfy_separator, layout_renames(files, names), names,
+                   layout_unknown=files.comfy_renames is not None and not names)
+
+    @classmethod
+    def of(cls, component: LoraComponent) -> ComponentNaming:
+        return cls(component.prefix, component.comfy_prefix, component.comfy_separator, component.comfy_renames,
+                   module_names(component.module), component.text_encoder,
+                   diffusers_renames=component.diffusers_renames)
+
+    def in_file(self, path: Path) -> bool:
+        if path.is_dir():
+            return False
+        with safe_open(str(path), "pt") as handle:
+            return any(key.startswith((self.prefix + ".", self.comfy_prefix + self.separator)) for key in handle.keys())
+
+
+def has_other_components(path: Path, files: LoraFileFormat) -> bool:
+    """Whether an adapter file holds weights beyond the family's trained module (e.g. text encoders)."""
+    if path.is_dir():
+        return False
+    own = (files.prefix + ".", files.comfy_prefix + files.comfy_separator)
+    with safe_open(str(path), "pt") as handle:
+        return any(not key.startswith(own) for key in handle.keys())
+
+
+def convert_file(source: Path, target: Path, to: str, namings: list[ComponentNaming]) -> int:
+    """Rewrite an adapter in another form (`comfy`, `diffusers`, or a `peft` folder); deltas unchanged. `namings`:
+    the family's trained module first (it must be in the file), then any text encoders (converted where the file
+    has them). To diffusers, the scales are folded into the weights (alpha = rank, what every diffusers loader
+    assumes without a header). The header's metadata is kept, its kohya hashes recomputed for the new tensors.
+    Returns the modules converted."""
+    denoiser, *others = namings
+    if to == "comfy" and denoiser.layout_unknown:
         raise ValueError("this family's kohya names follow another module layout; converting to them needs the "
                          "model's module names (give --model)")
-    weights, scales = read_adapter_file(source, prefix, comfy_prefix, separator, model_modules, renames)
+    parts = []
+    for naming in [denoiser, *(n for n in others if n.in_file(source))]:
+        weights, scales = read_adapter_file(source, naming.prefix, naming.comfy_prefix, naming.separator,
+                                            naming.module_names, naming.renames, bool(others), naming.diffusers_renames)
+        parts.append((naming, weights, scales))
+    count = sum(len(scales) for _, _, scales in parts)
     if to == "peft":
-        write_peft_form(target, weights, prefix, scales)
-        return len(scales)
+        if len(parts) > 1:
+            raise ValueError(f"{source} holds text-encoder weights too; a peft folder holds one model: convert to "
+                             "comfy or diffusers")
+        write_peft_form(target, parts[0][1], denoiser.prefix, parts[0][2])
+        return count
     metadata = {} if source.is_dir() else read_header(source)
     kept = {k: v for k, v in metadata.items() if k != LORA_ADAPTER_METADATA_KEY and not k.startswith("sshs_")}
-    if to == "comfy":
-        ready, alphas = comfy_ready(weights, prefix, scales)
-        state = to_comfy(ready, {prefix: comfy_prefix}, alphas.__getitem__, separator, {prefix: renames})
-    else:
-        state = rescaled(weights, prefix, scales)
+    state: dict[str, torch.Tensor] = {}
+    for naming, weights, scales in parts:
+        if to == "comfy":
+            ready, alphas = comfy_ready(weights, naming.prefix, scales)
+            state.update(to_comfy(ready, {naming.prefix: naming.comfy_prefix}, alphas.__getitem__, naming.separator,
+                                  {naming.prefix: naming.renames}))
+        else:
+            folded = rescaled(weights, naming.prefix, scales)
+            state.update(to_diffusers_form(folded, naming.prefix, naming.text_encoder, naming.diffusers_renames))
     write_safetensors(target, state, kept, kohya_hashes=any(k.startswith("ss_") for k in kept))
-    return len(scales)
+    return count

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from toolkit.config.sections import NetworkConfig
 from toolkit.device import to_device
 from toolkit.errors import UserError
 from toolkit.files import write_atomic, write_folder_atomic
+from toolkit.network.formats import renamed
 
 #: peft adapter name of the trained adapter, and of a merged assistant LoRA while it is being merged
 ADAPTER = "default"
@@ -155,16 +157,42 @@ def components_state_dict(components, dtype: torch.dtype) -> dict[str, torch.Ten
     return state
 
 
-def diffusers_text_encoder_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A text encoder's LoRA keys as diffusers' text-encoder loader reads them (`.lora_linear_layer.down`; it
-    refuses `.lora.down`, which its UNet loader takes)."""
-    return {key.replace(".lora.down.", ".lora_linear_layer.down.").replace(".lora.up.", ".lora_linear_layer.up."):
-            value for key, value in state.items()}
+def to_diffusers_form(state: dict[str, torch.Tensor], prefix: str, text_encoder: bool,
+                      renames: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """A component's LoRA weights (keys `<prefix>.<path>.lora.down.weight`) as diffusers' loaders read them: a text
+    encoder's paths renamed (`renames`: its `text_model.` level) and its weights named as diffusers' text-encoder
+    loader wants (`.lora_linear_layer.down`; it refuses `.lora.down`, which its UNet loader takes)."""
+    if not text_encoder:
+        return state
+    out = {}
+    for key, value in state.items():
+        path = renamed(key[len(prefix) + 1:], renames)
+        out[f"{prefix}.{path}".replace(".lora.down.", ".lora_linear_layer.down.")
+            .replace(".lora.up.", ".lora_linear_layer.up.")] = value
+    return out
 
 
-def read_components_file(path: Path) -> dict[str, torch.Tensor]:
+def from_diffusers_form(state: dict[str, torch.Tensor], prefix: str, renames: Mapping[str, str]
+                        ) -> dict[str, torch.Tensor]:
+    """The inverse of `to_diffusers_form` for the keys under `prefix` (other keys are left out)."""
+    back = {theirs: ours for ours, theirs in renames.items()}
+    out = {}
+    for key, value in state.items():
+        if key.startswith(prefix + "."):
+            path = renamed(key[len(prefix) + 1:], back).replace(".lora_linear_layer.", ".lora.")
+            out[f"{prefix}.{path}"] = value
+    return out
+
+
+def read_components_file(path: Path, components) -> dict[str, torch.Tensor]:
     """A file `write_components_file` wrote, its keys back in the one form the state dicts here use."""
-    return {key.replace(".lora_linear_layer.", ".lora."): value for key, value in load_file(str(path)).items()}
+    state = load_file(str(path))
+    out: dict[str, torch.Tensor] = {}
+    for component in components:
+        out.update(from_diffusers_form(state, component.prefix, component.diffusers_renames))
+    claimed = {key for key in state if any(key.startswith(c.prefix + ".") for c in components)}
+    out.update({key: value for key, value in state.items() if key not in claimed})  # reported as unexpected
+    return out
 
 
 def write_components_file(path: Path, components, dtype: torch.dtype, metadata: dict[str, str],
@@ -176,9 +204,9 @@ def write_components_file(path: Path, components, dtype: torch.dtype, metadata: 
         packed.update(packed_config(component.module, component.prefix))
     header = {LORA_ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True, default=str), **metadata}
     state: dict[str, torch.Tensor] = {}
-    for component in components:
-        weights = lora_state_dict(component.module, component.prefix, dtype)
-        state.update(weights if isinstance(component.module, ModelMixin) else diffusers_text_encoder_names(weights))
+    for c in components:
+        state.update(to_diffusers_form(lora_state_dict(c.module, c.prefix, dtype), c.prefix, c.text_encoder,
+                                       c.diffusers_renames))
     write_safetensors(path, state, header, kohya_hashes)
 
 

@@ -323,7 +323,7 @@ class Checkpoints:
 
         parts = self.parts
         lora_file = folder / LORA_FILE
-        saved_lora = load_safetensors(lora_file, read_components_file)
+        saved_lora = load_safetensors(lora_file, lambda path: read_components_file(path, parts.components))
         problems = compare_lora_state(components_state_dict(parts.components, torch.float32), saved_lora)
         saved_optimizer = load_torch(folder / OPTIMIZER_FILE)
         problems += [f"{OPTIMIZER_FILE}: {problem}" for problem in optimizer_problems(saved_optimizer, parts.optimizer)]
@@ -359,9 +359,12 @@ class Checkpoints:
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts, with both values."""
+    """Dotted keys whose values differ between two config dicts, with both values. Keys the old config lacks (added
+    to the schema since it was written) are not changes."""
     changes = []
     for key in sorted(set(old) | set(new)):
+        if key not in old:
+            continue
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             changes += config_changes(a, b, f"{prefix}{key}.")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.models.tiny import byte_level_clip_tokenizer, ensure_tiny
+from toolkit.models.tiny import TINY_SD_VAE, byte_level_clip_tokenizer, ensure_tiny
 
 TINY_SD15 = {
     "unet": dict(
@@ -21,17 +21,7 @@ TINY_SD15 = {
         attention_head_dim=8,
         norm_num_groups=16,
     ),
-    "vae": dict(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(16, 16, 32, 32),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=64,
-    ),
+    "vae": TINY_SD_VAE,
     "text_encoder": dict(
         hidden_size=32,
         intermediate_size=64,

@@ -17,27 +17,22 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from toolkit.device import memory_debug, to_device
-from toolkit.diffusion.schedules import DDPMNoiseSchedule
 from toolkit.errors import UserError
 from toolkit.models.base import (
-    LatentDist,
     LoraComponent,
     LoraFileFormat,
-    ModelAdapter,
     PromptEmbeds,
     SamplingParts,
-    clip_text_model_renames,
+    text_encoder_component,
 )
 from toolkit.models.common import (
-    CLIP_TEXT_TARGETS,
     ClipTextRules,
     ddpm_scheduler,
     encoder_identity,
     place_frozen,
     run_in_own_dtype,
-    vae_latent_dist,
-    vae_latents,
 )
+from toolkit.models.sd_common import StableDiffusionAdapter
 from toolkit.models.sdxl.config import FACTS, SDXLModelConfig
 from toolkit.models.sdxl.names import sgm_unet_renames
 from toolkit.models.sdxl.tiny import ensure_tiny_sdxl
@@ -65,7 +60,7 @@ class SDXLSampling(SamplingParts):
                 "pooled_prompt_embeds": pooled, "negative_pooled_prompt_embeds": negative_pooled}
 
 
-class SDXLAdapter(ModelAdapter):
+class SDXLAdapter(StableDiffusionAdapter):
     arch = "sdxl"
     facts = FACTS
     files = LoraFileFormat(prefix="unet", comfy_prefix="lora_unet", kohya_base_model="sdxl_base_v1-0",
@@ -75,21 +70,12 @@ class SDXLAdapter(ModelAdapter):
 
     def __init__(self, unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler, source: str,
                  vae_source: str | None = None):
-        self.unet = unet
-        self.vae = vae
+        self.init_denoiser(unet, vae, scheduler, source)
         self.text_encoder = text_encoder
         self.text_encoder_2 = text_encoder_2
         self.tokenizer = tokenizer
         self.tokenizer_2 = tokenizer_2
-        self.scheduler = scheduler
-        self.source = source
         self.vae_source = vae_source or source
-        self.noise_schedule = DDPMNoiseSchedule(scheduler)
-        self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.divisor = self.vae_scale * 2 ** (len(unet.config.block_out_channels) - 1)
-        self._denoiser: torch.nn.Module = unet
-        #: the UNet's dtype, read once (diffusers' `.dtype` walks every submodule on each call)
-        self.compute_dtype = unet.dtype
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -105,7 +91,8 @@ class SDXLAdapter(ModelAdapter):
             else:
                 parts = cls._load_folder(source, model_cfg, dtype)
             unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler = parts
-            vae_source = normalize_path(model_cfg.vae_name_or_path) if model_cfg.vae_name_or_path else None
+            vae_source = (normalize_path(model_cfg.vae_name_or_path, "model.vae_name_or_path")
+                          if model_cfg.vae_name_or_path else None)
             if vae_source:
                 vae = cls._load_vae(vae_source, model_cfg, source, dtype)
             vae = cls._vae_in_safe_dtype(vae, dtype)
@@ -128,14 +115,9 @@ class SDXLAdapter(ModelAdapter):
         scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=model_cfg.revision)
         return unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler
 
-    @staticmethod
-    def _load_single_file(source: str, config: str | None, dtype: torch.dtype) -> tuple:
-        if not Path(source).is_file():
-            raise FileNotFoundError(f"model file not found: {source}")
-        local_config = config is not None and Path(config).is_dir()
-        pipe = StableDiffusionXLPipeline.from_single_file(source, config=config, local_files_only=local_config,
-                                                          torch_dtype=dtype)
-        scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    @classmethod
+    def _load_single_file(cls, source: str, config: str | None, dtype: torch.dtype) -> tuple:
+        pipe, scheduler = cls.single_file_pipeline(StableDiffusionXLPipeline, source, config, dtype)
         return (pipe.unet, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.tokenizer, pipe.tokenizer_2,
                 scheduler)
 
@@ -165,15 +147,6 @@ class SDXLAdapter(ModelAdapter):
             run_in_own_dtype(vae, [m for m in (vae.post_quant_conv, vae.decoder) if m is not None])
         return vae
 
-    def use_zero_terminal_snr(self) -> None:
-        self.scheduler = ddpm_scheduler(self.scheduler, zero_terminal_snr=True)
-        self.noise_schedule = DDPMNoiseSchedule(self.scheduler)
-
-    @property
-    def device(self) -> torch.device:
-        # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
-        return next(self.unet.parameters()).device
-
     # ---- text and images ---------------------------------------------------------------------------
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
@@ -192,21 +165,8 @@ class SDXLAdapter(ModelAdapter):
         return PromptEmbeds(torch.cat(hidden, dim=-1), lengths=lengths, pooled=pooled)
 
     def text_encoder_components(self) -> list[LoraComponent]:
-        return [LoraComponent(self.text_encoder, "text_encoder", "lora_te1", clip_text_model_renames(self.text_encoder)),
-                LoraComponent(self.text_encoder_2, "text_encoder_2", "lora_te2",
-                              clip_text_model_renames(self.text_encoder_2))]
-
-    def text_lora_target_modules(self) -> list[str]:
-        return list(CLIP_TEXT_TARGETS)
-
-    def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
-        return vae_latent_dist(self.vae, pixels)
-
-    def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
-        return vae_latents(dist, generator, self.vae.config.scaling_factor)
-
-    def image_encoder_modules(self) -> list[torch.nn.Module]:
-        return [self.vae]
+        return [text_encoder_component(self.text_encoder, "text_encoder", "lora_te1"),
+                text_encoder_component(self.text_encoder_2, "text_encoder_2", "lora_te2")]
 
     def text_encoder_modules(self) -> list[torch.nn.Module]:
         return [self.text_encoder, self.text_encoder_2]
@@ -233,19 +193,6 @@ class SDXLAdapter(ModelAdapter):
         return denoiser(noisy.to(dtype), timesteps, encoder_hidden_states=embeds.embeds.to(dtype),
                         added_cond_kwargs=added).sample
 
-    def trainable_module(self) -> torch.nn.Module:
-        return self.unet
-
     def lora_target_modules(self) -> list[str]:
         # every linear layer of the transformer blocks, kohya's SDXL default
         return ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"]
-
-    def conv_target_modules(self) -> list[str]:
-        # the resnets' 3x3 convs, their 1x1 shortcuts and the resampling convs: kohya's LoCon set
-        return ["conv1", "conv2", "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv"]
-
-    def use_for_training(self, module: torch.nn.Module) -> None:
-        self._denoiser = module
-
-    def describe(self) -> dict[str, str]:
-        return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}

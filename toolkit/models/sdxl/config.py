@@ -9,7 +9,7 @@ from pydantic import Field
 from toolkit.models.config import DDPMOptions, FamilyFacts, ModelConfigBase
 
 FACTS = FamilyFacts(title="Stable Diffusion XL", conv_layers=True, ddpm_noise=True, guidance_rescale=True,
-                    text_encoder_lora=True)
+                    text_encoder_lora=True, size_conditioning=True)
 
 
 class SDXLModelConfig(ModelConfigBase, DDPMOptions):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.models.tiny import byte_level_clip_tokenizer, ensure_tiny
+from toolkit.models.tiny import TINY_SD_VAE, byte_level_clip_tokenizer, ensure_tiny
 
 TEXT_1 = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=3,
               max_position_embeddings=77)
@@ -34,19 +34,7 @@ TINY_SDXL = {
         projection_class_embeddings_input_dim=6 * TIME_EMBED_DIM + TEXT_2["projection_dim"],
         norm_num_groups=8,
     ),
-    "vae": dict(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(16, 16, 32, 32),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=64,
-        scaling_factor=0.13025,
-        force_upcast=True,
-    ),
+    "vae": {**TINY_SD_VAE, "scaling_factor": 0.13025, "force_upcast": True},
     "text_encoder": TEXT_1,
     "text_encoder_2": TEXT_2,
     "scheduler": dict(
