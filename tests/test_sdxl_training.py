@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
 from helpers import held_out_loss, launch, make_image, trainer_process, write_job
-from instrumented_run import interrupt_after
+from instrumented_run import control_after, interrupt_after
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -142,17 +142,24 @@ def test_convert_lora_writes_the_kohya_names_from_the_diffusers_file(trained, ti
 
 @pytest.mark.slow
 def test_v_prediction_with_zero_terminal_snr_trains_and_samples(tmp_path, registry, tiny_sdxl):
+    """Also a sigmoid timestep sampler, differential guidance, and a sample asked for through the control channel
+    (`run.py --control RUN sample`, as from another terminal)."""
     process = sdxl_process(
         tmp_path, model={"prediction_type": "v_prediction"},
-        train={"steps": 4, "zero_terminal_snr": True, "timestep_range": [0.5, 1.0]},
+        train={"steps": 4, "zero_terminal_snr": True, "timestep_range": [0.5, 1.0], "timestep_type": "sigmoid",
+               "differential_guidance_scale": 1.5},
         sample={"prompts": ["shp"], "sample_steps": 2, "width": 64, "height": 64, "guidance_rescale": 0.7})
     config, path = load_config(str(write_job(tmp_path / "job.yaml", "vpred", process)), registry)
     job = get_job(config, path, registry)
-    job.run()
+    with control_after({2: ["sample"]}):
+        job.run()
     trainer, run_dir = job.processes[0], tmp_path / "output" / "vpred"
     assert trainer.adapter.noise_schedule.prediction_type == "v_prediction"
     assert trainer.adapter.scheduler.alphas_cumprod[-1].item() == 0.0
-    assert all(np.isfinite(r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl"))
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert all(np.isfinite(r["loss"]) and "loss_diff_guidance" in r for r in records)
+    assert (run_dir / "samples" / "step_000000002_0.png").is_file()  # the control request
+    assert (run_dir / "report.html").is_file()
     header = safe_open(str(run_dir / "vpred.safetensors"), "pt").metadata()
     assert header["ss_v_parameterization"] == "True" and header["ss_zero_terminal_snr"] == "True"
     assert header["modelspec.prediction_type"] == "v"
