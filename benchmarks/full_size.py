@@ -1,7 +1,7 @@
 """Full-size speed and memory on a CUDA machine: random-init models with the real architectures, trained for a
 few dozen updates through difftune's real job path, so the figures compare with published ones.
 
-    python -m benchmarks.full_size                          # SD 1.5 at 512 px, SDXL and Z-Image at 1024 px
+    python -m benchmarks.full_size                          # SD 1.5 at 512 px; SDXL, Z-Image, FLUX.1 at 1024 px
     python -m benchmarks.full_size --models zimage --updates 40 --json zimage.json
     python -m benchmarks.full_size --size tiny --device cpu # the same path on the tiny presets (a smoke test)
 
@@ -91,6 +91,31 @@ SDXL_FULL = {
     "seed": 0,
 }
 
+#: FLUX.1 [dev]'s 11.9B transformer (black-forest-labs/FLUX.1-dev's config), CLIP ViT-L, the FLUX.1 VAE, and a
+#: T5-XXL-wide encoder with 2 of its 24 layers (like Z-Image's text encoder: it runs only while caching)
+FLUX_FULL = {
+    "transformer": dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=[16, 56, 56],
+    ),
+    "text_encoder": dict(
+        hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+        max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+    ),
+    "text_encoder_2": dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64,
+                           relative_attention_num_buckets=32, feed_forward_proj="gated-gelu"),
+    "vae": dict(
+        in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, norm_num_groups=32,
+        block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ),
+    "scheduler": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                  "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    "seed": 0,
+}
+
 #: Z-Image's 6B transformer (diffusers' defaults are Tongyi-MAI/Z-Image's config), the Flux VAE, and a
 #: Qwen3-4B-wide text encoder with 4 of its 36 layers (see the module docstring)
 ZIMAGE_FULL = {
@@ -117,6 +142,7 @@ ZIMAGE_FULL = {
 
 def presets(size: str) -> dict[str, dict]:
     """Per model: its preset, the builder, the training resolution and the model keys of the job."""
+    from toolkit.models.flux.tiny import TINY_FLUX_DEV, build_flux
     from toolkit.models.sd15.tiny import TINY_SD15, build_sd15
     from toolkit.models.sdxl.tiny import TINY_SDXL, build_sdxl
     from toolkit.models.zimage.tiny import TINY_ZIMAGE, build_zimage
@@ -130,6 +156,9 @@ def presets(size: str) -> dict[str, dict]:
         "zimage": {"preset": ZIMAGE_FULL if full else TINY_ZIMAGE, "build": build_zimage,
                    "resolution": 1024 if full else 64,
                    "model": {"arch": "zimage", "quantize": True, "qtype": "qfloat8"}},
+        "flux": {"preset": FLUX_FULL if full else TINY_FLUX_DEV, "build": build_flux,
+                 "resolution": 1024 if full else 64,
+                 "model": {"arch": "flux", "quantize": True, "qtype": "qfloat8"}},
     }
 
 
@@ -269,7 +298,8 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["sd15", "sdxl", "zimage"], choices=["sd15", "sdxl", "zimage"])
+    parser.add_argument("--models", nargs="+", default=["sd15", "sdxl", "zimage", "flux"],
+                        choices=["sd15", "sdxl", "zimage", "flux"])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--updates", type=int, default=30)

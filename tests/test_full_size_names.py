@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import UNet2DConditionModel, ZImageTransformer2DModel
+from diffusers import FluxPipeline, FluxTransformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel
 from diffusers.loaders.lora_conversion_utils import (
     _convert_non_diffusers_lora_to_diffusers,
     _convert_non_diffusers_z_image_lora_to_diffusers,
@@ -14,8 +14,9 @@ from diffusers.loaders.lora_conversion_utils import (
 )
 from diffusers.utils import convert_unet_state_dict_to_peft
 
-from benchmarks.full_size import SD15_FULL, SDXL_FULL, ZIMAGE_FULL
+from benchmarks.full_size import FLUX_FULL, SD15_FULL, SDXL_FULL, ZIMAGE_FULL
 from toolkit.config.sections import NetworkConfig
+from toolkit.models.flux.adapter import flux_lora_targets
 from toolkit.models.registry import get_adapter_class
 from toolkit.network.files import comfy_ready, layout_renames, module_names
 from toolkit.network.formats import to_comfy
@@ -26,6 +27,8 @@ def full_size(arch: str) -> torch.nn.Module:
     with torch.device("meta"):
         if arch in ("sd15", "sdxl"):
             return UNet2DConditionModel(**{"sd15": SD15_FULL, "sdxl": SDXL_FULL}[arch]["unet"])
+        if arch == "flux":
+            return FluxTransformer2DModel(**FLUX_FULL["transformer"])
         return ZImageTransformer2DModel(**ZIMAGE_FULL["transformer"])
 
 
@@ -35,7 +38,8 @@ def primary_state(arch: str, network: NetworkConfig) -> tuple[torch.nn.Module, d
     family = get_adapter_class(arch)
     module = full_size(arch)
     module.requires_grad_(False)
-    add_lora(module, network, family.lora_target_modules(None), family.conv_target_modules(None))
+    targets = flux_lora_targets(module) if arch == "flux" else family.lora_target_modules(None)
+    add_lora(module, network, targets, family.conv_target_modules(None))
     for layer in adapter_layers(module).values():
         for part in ("lora_A", "lora_B"):
             getattr(layer, part).to_empty(device="cpu")
@@ -47,7 +51,8 @@ def primary_state(arch: str, network: NetworkConfig) -> tuple[torch.nn.Module, d
     weights, alphas = comfy_ready(lora_state_dict(module, files.prefix, torch.float32), files.prefix,
                                   module_scales(module))
     renames = {files.prefix: layout_renames(files, module_names(module))}
-    state = to_comfy(weights, {files.prefix: files.comfy_prefix}, alphas.__getitem__, files.comfy_separator, renames)
+    state = to_comfy(weights, {files.prefix: files.comfy_prefix}, alphas.__getitem__, files.comfy_separator, renames,
+                     files.comfy_peft_names)
     return module, state, sorted(adapter_layers(module))
 
 
@@ -119,6 +124,25 @@ def test_zimage_primary_names_are_comfyuis_for_the_full_size_transformer():
     assert all(path in names for path in back)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage"])
+def test_flux_primary_names_are_the_diffusers_paths_for_the_full_size_transformer():
+    """FLUX.1: `transformer.<diffusers path>.lora_A/lora_B.weight` + a float `.alpha`: the names ComfyUI and Forge
+    map onto the original model (q/k/v into its fused qkv by slices) and FluxPipeline reads as they are. On the
+    full-size [dev] transformer: 19 double blocks x 12 targets and 38 single blocks x 5."""
+    network = NetworkConfig(linear=4, linear_alpha=2)
+    module, state, adapted = primary_state("flux", network)
+    assert len(adapted) == 19 * 12 + 38 * 5
+    named = modules_named(state)
+    assert named == {f"transformer.{path}" for path in adapted}
+    for name in ("transformer.transformer_blocks.18.attn.to_add_out", "transformer.single_transformer_blocks.37.proj_mlp",
+                 "transformer.transformer_blocks.0.ff_context.net.0.proj"):
+        assert name in named, name
+    assert all(key.endswith((".lora_A.weight", ".lora_B.weight", ".alpha")) for key in state)
+    weights, alphas = FluxPipeline.lora_state_dict(dict(state), return_alphas=True)
+    back = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in weights}
+    assert back == set(adapted)
+    assert {float(alpha) for alpha in alphas.values()} == {2.0} and len(alphas) == len(adapted)
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux"])
 def test_the_primary_form_is_the_comfy_form_for_these_families(arch):
     assert get_adapter_class(arch).files.primary == "comfy"

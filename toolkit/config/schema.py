@@ -77,6 +77,9 @@ class SDTrainerConfig(Section):
         if self.network.train_text_encoder and not facts.text_encoder_lora:
             problems.append(f"network.train_text_encoder: the {arch} family ({facts.title}) trains no text-encoder "
                             "LoRA; remove it")
+        if self.train.guidance_scale is not None and not facts.guidance_embedding:
+            problems.append(f"train.guidance_scale: the {arch} family ({facts.title}) has no guidance embedding to "
+                            "train with; remove it")
         if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
             problems.append(f"sample.guidance_rescale: the {arch} sampling pipeline has no guidance rescale; remove it")
         if problems:

@@ -241,6 +241,10 @@ class ObjectiveSection(Section):
                                             "blank-prompt term (it costs a second forward pass).")
     differential_guidance_scale: float | None = Field(
         None, gt=0, description="Train toward pred + s (target - pred): s > 1 pushes further toward the target.")
+    guidance_scale: float | None = Field(
+        None, ge=0, description="Guidance-distilled families (flux [dev]): the value the guidance embedding gets "
+        "during training; default 1.0 (a model without one, e.g. [schnell], ignores it).",
+        json_schema_extra=aka("guidance"))
     zero_terminal_snr: bool = Field(False, description="DDPM families (sd15, sdxl): rescale the betas so the last "
                                     "timestep is pure noise (zero terminal SNR), in training and in samples (trailing "
                                     "timesteps); what v-prediction fine-tunes are trained with.")
@@ -366,11 +370,13 @@ class SampleConfig(Section):
     neg: str = Field("", description="Negative prompt.", json_schema_extra=aka("negative_prompt"))
     seed: int = Field(42, description="Seed of the first prompt.")
     walk_seed: bool = Field(True, description="Prompt i uses seed + i (otherwise every prompt uses `seed`).")
-    guidance_scale: float | None = Field(None, ge=0, description="Classifier-free guidance scale; default per "
-                                         "family: sd15 7, wuerstchen 4 (the prior), zimage 0 (off, for Turbo; "
-                                         "the base model wants about 4).",
+    guidance_scale: float | None = Field(None, ge=0, description="Guidance scale; default per family: sd15 7, "
+                                         "sdxl 5, wuerstchen 4 (the prior), zimage 0 (off, for Turbo; the base "
+                                         "model wants about 4), flux 3.5 into [dev]'s guidance embedding (0 for "
+                                         "[schnell]).",
                                   json_schema_extra=aka("cfg_scale", "cfg"))
-    sample_steps: int = Field(20, ge=1, description="Denoising steps per sample.",
+    sample_steps: int | None = Field(None, ge=1, description="Denoising steps per sample; default per family: 20 "
+                                     "(flux [schnell] 4).",
                               json_schema_extra=aka("num_inference_steps", "steps"))
     width: int = Field(512, ge=8, description="Sample width in pixels (a multiple of the model's divisor).")
     height: int = Field(512, ge=8, description="Sample height in pixels (a multiple of the model's divisor).")

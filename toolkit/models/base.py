@@ -67,6 +67,9 @@ class LoraFileFormat:
     primary: str = "comfy"
     #: `modelspec.architecture` of the family's LoRA files (Stability AI's model spec, as kohya writes it)
     modelspec_architecture: str = ""
+    #: the ComfyUI form names LoRA weights as peft does (`lora_A` / `lora_B`, with `.alpha`) instead of kohya's
+    #: `lora_down` / `lora_up`: where that is the one naming every loader of the family reads alike (FLUX.1)
+    comfy_peft_names: bool = False
     #: where kohya names follow another layout than diffusers' module tree: the trained module's module names ->
     #: {diffusers module path prefix: the file's path} (see toolkit.network.formats.renamed)
     comfy_renames: Callable[[list[str]], dict[str, str]] | None = None
@@ -85,6 +88,8 @@ class LoraComponent:
     comfy_renames: dict[str, str] = field(default_factory=dict)
     #: how the ComfyUI prefix and the module path join ("_": kohya's flattened names, or ".")
     comfy_separator: str = "_"
+    #: LoRA weights named as peft does in the ComfyUI form (LoraFileFormat.comfy_peft_names)
+    comfy_peft_names: bool = False
     #: a text encoder: the diffusers form uses diffusers' text-encoder key names and `diffusers_renames`
     text_encoder: bool = False
     #: {module path prefix: the diffusers file's path} (a CLIP text model's `text_model.` level, see
@@ -103,7 +108,7 @@ def denoiser_component(module: torch.nn.Module, files: LoraFileFormat) -> LoraCo
     renames = files.comfy_renames
     names = [name for name, _ in module.named_modules() if name] if renames is not None else []
     return LoraComponent(module, files.prefix, files.comfy_prefix, renames(names) if renames is not None else {},
-                         files.comfy_separator)
+                         files.comfy_separator, files.comfy_peft_names)
 
 
 def clip_text_model_renames(module: torch.nn.Module) -> dict[str, str]:
@@ -139,8 +144,10 @@ class TextRules:
 class SamplingParts(ABC):
     """How a family renders sample images: its pipeline, and what rendering needs besides the trained model."""
 
-    #: `sample.guidance_scale` when the config leaves it unset
+    #: `sample.guidance_scale` and `sample.sample_steps` when the config leaves them unset (a family may make
+    #: them properties of its loaded model)
     default_guidance_scale: ClassVar[float] = 7.0
+    default_steps: ClassVar[int] = 20
 
     def __init__(self, adapter: ModelAdapter):
         self.adapter = adapter
@@ -244,6 +251,9 @@ class ModelAdapter(ABC):
 
     #: set by the trainer while text-encoder LoRAs train: `encode_prompts` then keeps the graph (outside no_grad)
     text_encoders_train: bool = False
+    #: guidance-distilled families (facts `guidance_embedding`): the guidance embedding's value in training
+    #: (`train.guidance_scale`)
+    train_guidance_scale: float = 1.0
 
     def text_grad(self) -> torch.autograd.grad_mode.set_grad_enabled:
         """The grad mode for encoding prompts: on only while text-encoder LoRAs train and the caller has grad on

@@ -8,6 +8,7 @@ import torch
 from diffusers import DDPMScheduler
 
 from toolkit.device import safe_module_to_device, to_device
+from toolkit.diffusion.timesteps import ShiftSchedule
 from toolkit.models.base import LatentDist, TextRules
 
 
@@ -98,3 +99,17 @@ def run_in_own_dtype(module: torch.nn.Module, parts: list[torch.nn.Module]) -> N
 
     for part in parts:
         part.register_forward_pre_hook(cast)
+
+
+def dynamic_shift_schedule(config) -> ShiftSchedule | None:
+    """A flow-matching scheduler's dynamic-shift line, only where the scheduler uses it (`use_dynamic_shifting`).
+
+    Pipelines compute `mu` from the image's token count, but FlowMatchEulerDiscreteScheduler ignores it unless
+    dynamic shifting is on: FLUX.1 [dev] has it on; FLUX.1 [schnell] and Z-Image(-Turbo) ship with it off and a
+    fixed `shift`, so this is None there."""
+    return ShiftSchedule.from_scheduler_config(config) if config.get("use_dynamic_shifting") else None
+
+
+def is_single_file(source: str) -> bool:
+    """A single-file checkpoint (rather than a diffusers folder or hub id)."""
+    return source.endswith((".safetensors", ".ckpt"))

@@ -29,6 +29,8 @@ class FamilyFacts:
     text_encoder_lora: bool = False
     #: the denoiser is conditioned on each image's original size, crop and target size (`image_sizes`)
     size_conditioning: bool = False
+    #: a guidance-distilled denoiser with a guidance embedding (`train.guidance_scale`)
+    guidance_embedding: bool = False
 
 
 class ModelConfigBase(Section):

@@ -61,7 +61,7 @@ def is_comfy_file(path: Path, files: LoraFileFormat) -> bool:
     if path.is_dir():
         return False
     with safe_open(str(path), "pt") as handle:
-        return is_comfy_form(dict.fromkeys(handle.keys()), files.comfy_prefix, files.comfy_separator)
+        return is_comfy_form(dict.fromkeys(handle.keys()), files.comfy_prefix, files.comfy_separator, files.prefix)
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -137,7 +137,7 @@ def read_adapter_file(path: Path, prefix: str, comfy_prefix: str, separator: str
         state, metadata = read_peft_folder(path, prefix)
     else:
         state, metadata = read_safetensors(path)
-    if not is_comfy_form(state, comfy_prefix, separator):
+    if not is_comfy_form(state, comfy_prefix, separator, prefix):
         # peft-named files (`.lora_A.` / `.lora_B.`) are diffusers files too, and diffusers' text-encoder names
         # (`.lora_linear_layer.`, under `text_model.`): one form from here on
         weights = {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
@@ -263,7 +263,7 @@ def write_comfy_file(path: Path, components: list[LoraComponent], dtype: torch.d
         weights, alphas = comfy_ready(lora_state_dict(c.module, c.prefix, torch.float32), c.prefix,
                                       module_scales(c.module))
         state.update(to_comfy(weights, {c.prefix: c.comfy_prefix}, alphas.__getitem__, c.comfy_separator,
-                              {c.prefix: c.comfy_renames}))
+                              {c.prefix: c.comfy_renames}, c.comfy_peft_names))
     # weights in the save dtype; alphas stay float32 (0.1 in bf16 would read back as 0.10009766)
     state = {k: v if k.endswith(".alpha") else v.to(dtype) for k, v in state.items()}
     write_safetensors(path, state, metadata, kohya_hashes)
@@ -286,18 +286,20 @@ class ComponentNaming:
     layout_unknown: bool = False
     #: module path renames of the diffusers form (a CLIP text model's `text_model.` level)
     diffusers_renames: Mapping[str, str] = field(default_factory=dict)
+    #: LoRA weights named as peft does in the ComfyUI form (LoraFileFormat.comfy_peft_names)
+    peft_names: bool = False
 
     @classmethod
     def of_files(cls, files: LoraFileFormat, names: list[str] | None = None) -> ComponentNaming:
         """The family's trained module, with the model's module names where they are known."""
         return cls(files.prefix, files.comfy_prefix, files.comfy_separator, layout_renames(files, names), names,
-                   layout_unknown=files.comfy_renames is not None and not names)
+                   layout_unknown=files.comfy_renames is not None and not names, peft_names=files.comfy_peft_names)
 
     @classmethod
     def of(cls, component: LoraComponent) -> ComponentNaming:
         return cls(component.prefix, component.comfy_prefix, component.comfy_separator, component.comfy_renames,
                    module_names(component.module), component.text_encoder,
-                   diffusers_renames=component.diffusers_renames)
+                   diffusers_renames=component.diffusers_renames, peft_names=component.comfy_peft_names)
 
     def in_file(self, path: Path) -> bool:
         if path.is_dir():
@@ -344,7 +346,7 @@ def convert_file(source: Path, target: Path, to: str, namings: list[ComponentNam
         if to == "comfy":
             ready, alphas = comfy_ready(weights, naming.prefix, scales)
             state.update(to_comfy(ready, {naming.prefix: naming.comfy_prefix}, alphas.__getitem__, naming.separator,
-                                  {naming.prefix: naming.renames}))
+                                  {naming.prefix: naming.renames}, naming.peft_names))
         else:
             folded = rescaled(weights, naming.prefix, scales)
             state.update(to_diffusers_form(folded, naming.prefix, naming.text_encoder, naming.diffusers_renames))

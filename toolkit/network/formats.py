@@ -33,7 +33,11 @@ LYCORIS_SUFFIXES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a",
 #: DoRA's magnitude: peft's name -> kohya/LyCORIS's
 DORA_SUFFIX = {"lora_magnitude_vector": "dora_scale"}
 TO_COMFY = {**LORA_SUFFIX, **{name: name for name in LYCORIS_SUFFIXES}, **DORA_SUFFIX}
-FROM_COMFY = {comfy: ours for ours, comfy in TO_COMFY.items()}
+#: LoRA weight names of the ComfyUI form for families whose loaders read peft's names with `.alpha` (FLUX.1:
+#: ComfyUI, Forge and diffusers all apply `transformer.<path>.lora_A/lora_B.weight` + `.alpha` alike)
+PEFT_NAMES = {"lora.down.weight": "lora_A.weight", "lora.up.weight": "lora_B.weight"}
+TO_COMFY_PEFT_NAMES = {**TO_COMFY, **PEFT_NAMES}
+FROM_COMFY = {comfy: ours for ours, comfy in (*TO_COMFY.items(), *PEFT_NAMES.items())}
 
 
 def dora_scale(magnitude: torch.Tensor) -> torch.Tensor:
@@ -77,19 +81,22 @@ def split_weight_key(key: str, suffixes) -> tuple[str, str]:
 
 
 def to_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], alpha_of: Callable[[str], float],
-             separator: str = "_", renames: Mapping[str, Mapping[str, str]] = EMPTY) -> dict[str, torch.Tensor]:
+             separator: str = "_", renames: Mapping[str, Mapping[str, str]] = EMPTY,
+             peft_names: bool = False) -> dict[str, torch.Tensor]:
     """difftune/diffusers-keyed adapter weights -> ComfyUI/kohya keys with one `.alpha` per module.
 
     `prefixes` maps a component prefix (`unet`) to its ComfyUI prefix (`lora_unet`); `alpha_of(module path)`
     gives each module's alpha (path without the component prefix); `separator` joins prefix and path ("_"
-    flattens the path as kohya does, "." keeps it); `renames` maps a component prefix to its module renames.
+    flattens the path as kohya does, "." keeps it); `renames` maps a component prefix to its module renames;
+    `peft_names` writes LoRA weights as `lora_A` / `lora_B` instead of kohya's `lora_down` / `lora_up`.
     """
+    names = TO_COMFY_PEFT_NAMES if peft_names else TO_COMFY
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         component, rest = key.split(".", 1)
         module, suffix = split_weight_key(rest, TO_COMFY)
         name = comfy_module_name(prefixes[component], module, separator, renames.get(component, EMPTY))
-        out[f"{name}.{TO_COMFY[suffix]}"] = dora_scale(value) if suffix in DORA_SUFFIX else value
+        out[f"{name}.{names[suffix]}"] = dora_scale(value) if suffix in DORA_SUFFIX else value
         out.setdefault(f"{name}.alpha", torch.tensor(float(alpha_of(module)), dtype=torch.float32))
     return out
 
@@ -117,5 +124,11 @@ def from_comfy(state: dict[str, torch.Tensor], prefixes: dict[str, str], module_
     return weights, alphas
 
 
-def is_comfy_form(state: dict[str, torch.Tensor], comfy_prefix: str, separator: str) -> bool:
-    return any(key.startswith(comfy_prefix + separator) for key in state)
+def is_comfy_form(state: dict[str, torch.Tensor], comfy_prefix: str, separator: str, prefix: str = "") -> bool:
+    """Whether keys are in the ComfyUI form. Where it shares its prefix with the diffusers form (FLUX.1's
+    `transformer.`), the ComfyUI form is the one with `.alpha` keys (diffusers files keep alphas in the header, or
+    none: alpha = rank)."""
+    ours = [key for key in state if key.startswith(comfy_prefix + separator)]
+    if comfy_prefix + separator == prefix + ".":
+        return any(key.endswith(".alpha") for key in ours)
+    return bool(ours)

@@ -252,11 +252,13 @@ def write_peft_folder(folder: Path, module: torch.nn.Module, dtype: torch.dtype 
 
 
 def merge_lora_state(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str,
-                     metadata: dict | None = None) -> None:
-    """Merge a LoRA (diffusers keys under `prefix`; `metadata`: the peft config from its header, which carries
-    alpha) into `module`'s weights and drop its layers: a frozen assistant adapter costs nothing afterwards.
-    Merge before quantizing; peft's merge into quantized weights is wrong."""
-    module.load_lora_adapter(state, prefix=prefix, adapter_name=ASSISTANT_ADAPTER, metadata=metadata)
+                     metadata: dict | None = None, network_alphas: dict[str, float] | None = None) -> None:
+    """Merge a LoRA (diffusers keys under `prefix`; alphas from `metadata`, the peft config of its header, or from
+    `network_alphas`, the file's `.alpha` keys as a pipeline's `lora_state_dict` returns them) into `module`'s
+    weights and drop its layers: a frozen assistant adapter costs nothing afterwards. Merge before quantizing;
+    peft's merge into quantized weights is wrong."""
+    module.load_lora_adapter(state, prefix=prefix, adapter_name=ASSISTANT_ADAPTER, metadata=metadata,
+                             network_alphas=network_alphas or None)
     module.fuse_lora(adapter_names=[ASSISTANT_ADAPTER])
     module.unload_lora()
 

@@ -37,7 +37,10 @@ class SampleRenderer:
             if value % divisor:
                 raise UserError(f"sample.{key} ({value}) must be a multiple of {divisor} for this model")
 
-    def reproduction(self, pipe, prompt: str, seed: int, guidance: float, step: int) -> dict:
+    def steps(self, adapter: ModelAdapter) -> int:
+        return adapter.sampling.default_steps if self.cfg.sample_steps is None else self.cfg.sample_steps
+
+    def reproduction(self, pipe, prompt: str, seed: int, guidance: float, step: int, steps: int) -> dict:
         """What a sample's PNG text records: enough to render it again in diffusers (docs/networks.md): the
         pipeline and scheduler (class and config), steps, guidance, size, the CPU generator's seed, and the LoRA at
         scale 1 (the run's <name>.safetensors, or the checkpoint of `step`)."""
@@ -45,7 +48,7 @@ class SampleRenderer:
                 "model": self.model_name, "pipeline": type(getattr(pipe, "pipe", pipe)).__name__,
                 "scheduler": type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else "",
                 "scheduler_config": json.dumps(dict(pipe.scheduler.config)) if hasattr(pipe, "scheduler") else "",
-                "num_inference_steps": self.cfg.sample_steps, "guidance_scale": guidance, "width": self.cfg.width,
+                "num_inference_steps": steps, "guidance_scale": guidance, "width": self.cfg.width,
                 "height": self.cfg.height, "generator": "torch.Generator('cpu').manual_seed(seed)", "lora_scale": 1.0,
                 **self.rescale()}
 
@@ -75,17 +78,18 @@ class SampleRenderer:
             text = given if given is not None else {"prompt": prompt, "negative_prompt": self.cfg.neg or None}
             guidance = (adapter.sampling.default_guidance_scale if self.cfg.guidance_scale is None
                         else self.cfg.guidance_scale)
+            steps = self.steps(adapter)
             image = pipe(
                 **text,
                 **self.rescale(),
-                num_inference_steps=self.cfg.sample_steps,
+                num_inference_steps=steps,
                 guidance_scale=guidance,
                 width=self.cfg.width,
                 height=self.cfg.height,
                 generator=torch.Generator(device="cpu").manual_seed(seed),
             ).images[0]
             info = PngInfo()
-            for key, value in self.reproduction(pipe, prompt, seed, guidance, step).items():
+            for key, value in self.reproduction(pipe, prompt, seed, guidance, step, steps).items():
                 info.add_text(key, str(value))
             path = self.folder / f"step_{step:09d}_{index}.png"
             write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))

@@ -21,7 +21,6 @@ from transformers import AutoTokenizer, Qwen3Model
 
 from toolkit.device import memory_debug, safe_module_to_device, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
-from toolkit.diffusion.timesteps import ShiftSchedule
 from toolkit.models.base import (
     LatentDist,
     LoraFileFormat,
@@ -30,7 +29,13 @@ from toolkit.models.base import (
     SamplingParts,
     TextRules,
 )
-from toolkit.models.common import encoder_identity, vae_latent_dist, vae_latents
+from toolkit.models.common import (
+    dynamic_shift_schedule,
+    encoder_identity,
+    is_single_file,
+    vae_latent_dist,
+    vae_latents,
+)
 from toolkit.models.zimage.config import FACTS, ZImageModelConfig
 from toolkit.models.zimage.tiny import ensure_tiny_zimage, ensure_tiny_zimage_turbo
 from toolkit.network.lora import merge_lora_state
@@ -108,14 +113,6 @@ class ZImageSampling(SamplingParts):
 
     def only_modules(self) -> list[torch.nn.Module]:
         return self.mirrors()
-
-
-def dynamic_shift_schedule(config) -> ShiftSchedule | None:
-    """The scheduler's dynamic-shift line, only where the scheduler uses it (`use_dynamic_shifting`).
-
-    ZImagePipeline always computes `mu`, but FlowMatchEulerDiscreteScheduler ignores it unless dynamic shifting is
-    on; Z-Image(-Turbo) ships with it off and a fixed `shift` (3.0), so this is None there."""
-    return ShiftSchedule.from_scheduler_config(config) if config.get("use_dynamic_shifting") else None
 
 
 class ZImageAdapter(ModelAdapter):
@@ -384,8 +381,3 @@ def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
         raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
     state, metadata = ZImagePipeline.lora_state_dict(path, return_lora_metadata=True)
     merge_lora_state(transformer, state, ZImageAdapter.files.prefix, metadata)
-
-
-def is_single_file(source: str) -> bool:
-    return source.endswith(".safetensors")
-

@@ -1,0 +1,251 @@
+"""The FLUX.1 family on its tiny [dev] and [schnell] presets: the training math against FluxPipeline (prompt
+embeddings, packing and position ids, the Euler steps the prediction drives, the dynamic shift), variant detection,
+LoRA targets and file names, config checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+from toolkit.config.loader import ConfigError, load_config
+from toolkit.diffusion.timesteps import shift_u
+from toolkit.models.base import PromptEmbeds
+from toolkit.models.flux.adapter import FluxAdapter, flux_lora_targets
+from toolkit.models.registry import get_adapter_class, model_config
+
+CPU = torch.device("cpu")
+PROMPTS = ["a red circle on a blue background", ""]
+
+
+@pytest.fixture(scope="module")
+def dev(tiny_cache) -> FluxAdapter:
+    return FluxAdapter.load(model_config(arch="flux", name_or_path="tiny"), CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def schnell(tiny_cache) -> FluxAdapter:
+    return FluxAdapter.load(model_config(arch="flux", name_or_path="tiny-schnell"), CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pipe(dev) -> FluxPipeline:
+    pipe = dev.sampling.pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_the_variant_is_read_from_the_transformer(dev, schnell):
+    assert get_adapter_class("flux") is FluxAdapter
+    assert dev.guidance_embeds and not schnell.guidance_embeds
+    assert (dev.max_sequence_length, schnell.max_sequence_length) == (512, 256)
+    assert (dev.sampling.default_guidance_scale, dev.sampling.default_steps) == (3.5, 20)
+    assert (schnell.sampling.default_guidance_scale, schnell.sampling.default_steps) == (0.0, 4)
+    assert dev.files.modelspec_architecture == "flux-1-dev/lora"
+    assert schnell.files.modelspec_architecture == "flux-1-schnell/lora"
+    assert dev.divisor == 16  # VAE /8, 2x2 packing
+    assert dev.noise_schedule.shift_schedule is not None and schnell.noise_schedule.shift_schedule is None
+    short = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny", max_sequence_length=64), CPU,
+                             torch.float32)
+    assert short.encode_prompts(PROMPTS).embeds.shape[1] == 64
+
+
+def test_prompt_embeddings_are_the_pipelines(dev, pipe):
+    ours = dev.encode_prompts(PROMPTS)
+    embeds, pooled, text_ids = pipe.encode_prompt(PROMPTS, prompt_2=None, device=CPU, max_sequence_length=512)
+    assert ours.embeds.shape == (2, 512, 32) and ours.pooled.shape == (2, 32)
+    assert torch.equal(ours.embeds, embeds) and torch.equal(ours.pooled, pooled)
+    assert not text_ids.any()  # the text position ids the prediction passes (zeros)
+    assert ours.lengths[1].item() == 1  # the empty prompt: `</s>` alone
+
+
+def test_latents_invert_the_pipelines_decode_formula(dev):
+    pixels = torch.rand(1, 3, 32, 32) * 2 - 1
+    dist = dev.encode_latent_dist(pixels)
+    latents = dev.latents_from_dist(dist, torch.Generator().manual_seed(0))
+    sample = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(0))
+    config = dev.vae.config
+    assert torch.allclose(latents / config.scaling_factor + config.shift_factor, sample, atol=1e-5)
+
+
+def test_prediction_packs_as_the_pipeline_does(dev, pipe):
+    """The transformer called on FluxPipeline's own prepared latents and ids gives the prediction, unpacked."""
+    embeds = dev.encode_prompts(PROMPTS[:1])
+    generator = torch.Generator().manual_seed(3)
+    packed, image_ids = pipe.prepare_latents(1, 16, 32, 48, torch.float32, CPU, generator)
+    assert packed.shape == (1, (32 // 16) * (48 // 16), 64)
+    unpacked = FluxPipeline._unpack_latents(packed, 32, 48, 8)
+    assert torch.equal(FluxPipeline._pack_latents(unpacked, 1, 16, 4, 6), packed)
+    sigma = torch.tensor([0.7])
+    theirs = dev.transformer(hidden_states=packed, timestep=sigma, guidance=torch.tensor([1.0]),
+                             pooled_projections=embeds.pooled, encoder_hidden_states=embeds.embeds,
+                             txt_ids=torch.zeros(512, 3), img_ids=image_ids, return_dict=False)[0]
+    ours = dev.predict(unpacked, sigma * 1000, embeds)
+    assert torch.allclose(ours, FluxPipeline._unpack_latents(theirs, 32, 48, 8), atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["dev", "schnell"])
+def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(variant, dev, schnell):
+    """Every step of FluxPipeline is x_next = x + (sigma_next - sigma) * adapter.predict(x, 1000 sigma), with the
+    guidance the pipeline gives [dev]'s guidance embedding: fails with the sign or the timestep scale flipped."""
+    adapter = dev if variant == "dev" else schnell
+    pipe = adapter.sampling.pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    start = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(0))
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(pipeline, step, t, kwargs):
+        seen.append((t.clone(), kwargs["latents"].clone()))
+        return {}
+
+    guidance = 3.5 if variant == "dev" else 0.0
+    pipe(prompt=PROMPTS[0], num_inference_steps=3, guidance_scale=guidance, width=32, height=32,
+         latents=FluxPipeline._pack_latents(start.clone(), 1, 16, 4, 4), output_type="latent",
+         max_sequence_length=adapter.max_sequence_length, callback_on_step_end=record)
+    sigmas = pipe.scheduler.sigmas
+    embeds = adapter.encode_prompts(PROMPTS[:1])
+    adapter.train_guidance_scale = guidance
+    try:
+        before = start
+        for i, (t, after) in enumerate(seen):
+            after = FluxPipeline._unpack_latents(after, 32, 32, 8)
+            assert torch.isclose(t, sigmas[i] * 1000)
+            velocity = adapter.predict(before, t.reshape(1), embeds)
+            assert torch.allclose(after, before + (sigmas[i + 1] - sigmas[i]) * velocity, atol=1e-5), i
+            flipped = adapter.predict(before, (1000 - t).reshape(1), embeds)
+            assert not torch.allclose(velocity, flipped, atol=1e-3)  # the check can tell the timestep apart
+            before = after
+    finally:
+        adapter.train_guidance_scale = 1.0
+    assert len(seen) == 3
+
+
+def test_guidance_reaches_devs_embedding_only(dev, schnell):
+    noisy = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([500.0])
+    for adapter, changes in ((dev, True), (schnell, False)):
+        embeds = adapter.encode_prompts(PROMPTS[:1])
+        one = adapter.predict(noisy, t, embeds)
+        adapter.train_guidance_scale = 4.0
+        four = adapter.predict(noisy, t, embeds)
+        adapter.train_guidance_scale = 1.0
+        assert (not torch.allclose(one, four)) == changes
+
+
+@pytest.mark.parametrize("pixels", [512, 1024])
+def test_dynamic_shift_is_the_pipelines_calculate_shift(dev, pixels):
+    """[dev]'s sigma schedule at 512 and 1024 px: the shift from the packed sequence length is the pipeline's
+    `calculate_shift` with the scheduler's base/max shift, and shifting u gives the scheduler's own sigmas."""
+    latents = torch.zeros(1, 16, pixels // 8, pixels // 8)
+    seq_len = dev.noise_schedule.image_seq_len(latents)
+    assert seq_len == (pixels // 16) ** 2
+    config = dev.scheduler.config
+    mu = calculate_shift(seq_len, config.base_image_seq_len, config.max_image_seq_len, config.base_shift,
+                         config.max_shift)
+    shift = dev.noise_schedule.shift_schedule.shift_for(seq_len)
+    assert shift == pytest.approx(np.exp(mu), rel=1e-12)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    u = np.linspace(1.0, 1 / 8, 8)
+    scheduler.set_timesteps(sigmas=u, mu=mu)
+    assert torch.allclose(shift_u(torch.tensor(u), shift).float(), scheduler.sigmas[:-1], atol=1e-6)
+
+
+def test_lora_targets_are_the_communitys(dev):
+    targets = flux_lora_targets(dev.transformer)
+    assert "transformer_blocks.0.attn.add_q_proj" in targets and "transformer_blocks.0.ff_context.net.2" in targets
+    assert "single_transformer_blocks.1.proj_mlp" in targets and "single_transformer_blocks.1.proj_out" in targets
+    assert "proj_out" not in targets  # the final projection shares the single blocks' name
+    names = dict(dev.transformer.named_modules())
+    assert all(isinstance(names[t], torch.nn.Linear) for t in targets)
+    assert len(targets) == 1 * 12 + 2 * 5
+
+
+def test_quantization_keeps_embedders_norms_and_final_layer(tiny_cache):
+    from optimum.quanto import QModuleMixin
+
+    adapter = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny", quantize=True, qtype="qint8",
+                                            quantize_te=True, qtype_te="qint8"), CPU, torch.float32)
+    modules = dict(adapter.transformer.named_modules())
+    assert isinstance(modules["transformer_blocks.0.attn.to_q"], QModuleMixin)
+    assert isinstance(modules["single_transformer_blocks.0.proj_mlp"], QModuleMixin)
+    for kept in ("x_embedder", "context_embedder", "proj_out", "norm_out.linear", "transformer_blocks.0.norm1.linear"):
+        assert not isinstance(modules[kept], QModuleMixin), kept
+    assert any(isinstance(m, QModuleMixin) for m in adapter.text_encoder_2.modules())
+    embeds = adapter.encode_prompts(PROMPTS[:1])
+    assert torch.isfinite(adapter.predict(torch.randn(1, 16, 4, 4), torch.tensor([300.0]), embeds)).all()
+
+
+def test_prompt_embeds_of_the_blank_prompt_stack_with_captions(dev):
+    blank = dev.text.blank_prompt_embeds()
+    caption = dev.encode_prompts(PROMPTS[:1])
+    assert blank.embeds.shape == caption.embeds.shape and blank.pooled.shape == caption.pooled.shape
+    assert dev.text.caption_token_span(int(caption.lengths[0])) == (0, int(caption.lengths[0]) - 1)
+    assert isinstance(blank, PromptEmbeds)
+
+
+def job_text(model: str, train: str = "") -> str:
+    return f"""
+config:
+  name: t
+  process:
+    - type: sd_trainer
+      model: {{{model}}}
+      datasets: [{{folder_path: data}}]
+      train: {{steps: 1{train}}}
+"""
+
+
+@pytest.mark.parametrize("model, train, message", [
+    ("arch: sd15, name_or_path: tiny", ", guidance_scale: 1.0", "train.guidance_scale: the sd15 family"),
+    ("arch: flux, name_or_path: tiny, max_sequence_length: 600", "", "max_sequence_length"),
+    ("arch: flux, name_or_path: tiny", ", zero_terminal_snr: true", "train.zero_terminal_snr: the flux family"),
+])
+def test_config_refuses_what_flux_cannot_do(tmp_path, registry, model, train, message):
+    path = tmp_path / "job.yaml"
+    path.write_text(job_text(model, train))
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path), registry)
+
+
+def test_config_takes_the_flux_keys(tmp_path, registry):
+    path = tmp_path / "job.yaml"
+    path.write_text(job_text("arch: flux, name_or_path: tiny, quantize: true, qtype: qint4, max_sequence_length: 256",
+                             ", guidance_scale: 3.5"))
+    process = load_config(str(path), registry)[0].config.process[0]
+    assert process.model.max_sequence_length == 256 and process.train.guidance_scale == 3.5
+
+
+def test_assistant_lora_is_merged_into_the_training_transformer(tmp_path, dev):
+    """An assistant LoRA (e.g. the [schnell] training adapter) in the primary form is merged before training: the
+    model predicts as one wearing it, with no adapter left attached."""
+    from toolkit.config.sections import NetworkConfig
+    from toolkit.models.base import denoiser_component
+    from toolkit.network.files import write_comfy_file
+    from toolkit.network.lora import add_lora
+
+    wearer = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny"), CPU, torch.float32)
+    add_lora(wearer.transformer, NetworkConfig(linear=4, linear_alpha=8), wearer.lora_target_modules())
+    torch.manual_seed(3)
+    for param in wearer.transformer.parameters():
+        if param.requires_grad:
+            param.data.normal_(0, 0.3)
+    path = tmp_path / "assistant.safetensors"
+    write_comfy_file(path, [denoiser_component(wearer.transformer, wearer.files)], torch.float32, {})
+    merged = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny", assistant_lora_path=str(path)), CPU,
+                              torch.float32)
+    torch.manual_seed(5)
+    noisy, t = torch.randn(2, 16, 4, 4), torch.tensor([300.0, 700.0])
+    embeds = dev.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        ours, theirs, plain = (a.predict(noisy, t, embeds) for a in (merged, wearer, dev))
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours, plain, atol=1e-3)
+    assert not any("lora" in name for name, _ in merged.transformer.named_modules())
+
+
+def test_missing_assistant_lora_is_named(tmp_path):
+    cfg = model_config(arch="flux", name_or_path="tiny", assistant_lora_path=str(tmp_path / "absent.safetensors"))
+    with pytest.raises(FileNotFoundError, match="model.assistant_lora_path"):
+        FluxAdapter.load(cfg, CPU, torch.float32)

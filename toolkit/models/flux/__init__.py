@@ -1,0 +1,1 @@
+"""FLUX.1 family ([dev] and [schnell])."""

@@ -1,0 +1,322 @@
+"""FLUX.1 [dev] and [schnell]: FluxTransformer2DModel over 2x2-packed 16-channel latents, CLIP-L (pooled output)
+and T5-XXL (per-token embeddings) text encoders, rectified flow.
+
+Conventions, as FluxPipeline.__call__ applies them:
+- latents = (VAE sample - shift_factor) * scaling_factor, packed 2x2 into tokens (`_pack_latents`), with image
+  position ids from `_prepare_latent_image_ids` and text position ids all zero;
+- the transformer takes sigma (timestep / 1000) and predicts the flow velocity noise - latents, which the Euler
+  step integrates: x_next = x + (sigma_next - sigma) v;
+- [dev] is guidance-distilled: its guidance embedding takes the guidance scale (no classifier-free guidance);
+  [schnell] has no guidance embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
+
+from toolkit.device import memory_debug, safe_module_to_device, to_device
+from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
+from toolkit.models.base import (
+    LatentDist,
+    LoraFileFormat,
+    ModelAdapter,
+    PromptEmbeds,
+    SamplingParts,
+    TextRules,
+)
+from toolkit.models.common import (
+    dynamic_shift_schedule,
+    encoder_identity,
+    is_single_file,
+    vae_latent_dist,
+    vae_latents,
+)
+from toolkit.models.flux.config import FACTS, FluxModelConfig
+from toolkit.models.flux.tiny import ensure_tiny_flux, ensure_tiny_flux_schnell
+from toolkit.network.lora import merge_lora_state
+from toolkit.paths import normalize_path
+from toolkit.quantize import quantize_blockwise
+
+#: where a single-file transformer's other parts and its config come from when `model.single_file_config` is not
+#: given: the repo diffusers itself picks for FLUX.1 checkpoints
+DEFAULT_COMPONENTS = "black-forest-labs/FLUX.1-dev"
+
+#: `name_or_path` values that build a tiny random model offline
+TINY_SOURCES: dict[str, Callable[[], Path]] = {"tiny": ensure_tiny_flux, "tiny-schnell": ensure_tiny_flux_schnell}
+
+#: FluxPipeline's documented T5 lengths: [dev] 512, [schnell] 256
+MAX_SEQUENCE_LENGTH = {True: 512, False: 256}
+
+#: the LoRA targets inside each double-stream block (image and text attention, their projections and
+#: feed-forwards) and each single-stream block (attention and its two linear layers)
+DOUBLE_BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                        "ff_context.net.2")
+SINGLE_BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
+
+#: the transformer's token packing: 2x2 latent pixels per token
+PATCH_SIZE = 2
+
+
+def flux_lora_targets(transformer: torch.nn.Module) -> list[str]:
+    """Full module names of the default LoRA targets (the single blocks' `proj_out` shares its name with the
+    transformer's final projection, so names are given in full rather than as endings)."""
+    names = []
+    for prefix, targets in (("transformer_blocks", DOUBLE_BLOCK_TARGETS),
+                            ("single_transformer_blocks", SINGLE_BLOCK_TARGETS)):
+        for index in range(len(getattr(transformer, prefix))):
+            names += [f"{prefix}.{index}.{target}" for target in targets]
+    return names
+
+
+class FluxText(TextRules):
+    """T5's tokens carry the prompt (no start token, `</s>` at the end); prompts are padded and cut to
+    `max_sequence_length`."""
+
+    def caption_token_span(self, length: int) -> tuple[int, int]:
+        return 0, max(0, length - 1)
+
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        a = self.adapter
+        lengths = [len(ids) for ids in a.tokenizer_2(prompts, truncation=False).input_ids]
+        return [i for i, length in enumerate(lengths) if length > a.max_sequence_length]
+
+
+class FluxSampling(SamplingParts):
+    """FluxPipeline over the current components; prompts are encoded first (T5 then leaves before the
+    transformer samples). [dev]: guidance 3.5 into the guidance embedding, 20 steps; [schnell]: 0.0 and 4 steps."""
+
+    @property
+    def default_guidance_scale(self) -> float:
+        return 3.5 if self.adapter.guidance_embeds else 0.0
+
+    @property
+    def default_steps(self) -> int:
+        return 20 if self.adapter.guidance_embeds else 4
+
+    def pipeline(self) -> FluxPipeline:
+        a = self.adapter
+        return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(a.scheduler.config), vae=a.vae,
+                            text_encoder=a.text_encoder, tokenizer=a.tokenizer, text_encoder_2=a.text_encoder_2,
+                            tokenizer_2=a.tokenizer_2, transformer=a.transformer)
+
+    @torch.no_grad()
+    def conditioning(self, prompt: str, negative: str) -> dict[str, torch.Tensor]:
+        """The pipeline's own `encode_prompt` (FluxPipeline uses the negative prompt only with true CFG)."""
+        a = self.adapter
+        embeds, pooled, _ = self.pipeline().encode_prompt(prompt, prompt_2=None, device=a.text_encoder_2.device,
+                                                          max_sequence_length=a.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+class FluxAdapter(ModelAdapter):
+    arch = "flux"
+    facts = FACTS
+    # The primary form: `transformer.<diffusers path>.lora_A/lora_B.weight` + a float `.alpha` per module, no peft
+    # header. ComfyUI and Forge map these names onto the original model (q/k/v into its fused qkv by slices, using
+    # the model's own widths) and apply alpha / rank; diffusers' FluxPipeline reads them as they are. kohya's fused
+    # `lora_unet_double_blocks_*` form would need block-diagonal qkv, and diffusers' reader of it assumes the
+    # full-size widths. kohya_base_model: sd-scripts' FLUX.1 tag.
+    files = LoraFileFormat(prefix="transformer", comfy_prefix="transformer", comfy_separator=".",
+                           comfy_peft_names=True, kohya_base_model="flux1", modelspec_architecture="flux-1-dev/lora")
+    text_rules = FluxText
+    sampling_parts = FluxSampling
+
+    def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler, source: str,
+                 max_sequence_length: int | None = None):
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.text_encoder_2 = text_encoder_2
+        self.tokenizer_2 = tokenizer_2
+        self.scheduler = scheduler
+        self.source = source
+        #: [dev] is guidance-distilled (a guidance embedding); [schnell] is not
+        self.guidance_embeds = bool(transformer.config.guidance_embeds)
+        self.max_sequence_length = max_sequence_length or MAX_SEQUENCE_LENGTH[self.guidance_embeds]
+        #: the dtype the transformer computes in (kept from loading: quantized weights may report another)
+        self.compute_dtype = transformer.dtype
+        self.noise_schedule = FlowMatchNoiseSchedule(scheduler.config.num_train_timesteps,
+                                                     dynamic_shift_schedule(scheduler.config), PATCH_SIZE)
+        self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.divisor = self.vae_scale * PATCH_SIZE
+        self._denoiser: torch.nn.Module = transformer
+        if not self.guidance_embeds:
+            self.files = dataclasses.replace(self.files, modelspec_architecture="flux-1-schnell/lora")
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model_cfg: FluxModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False, sampling_models: bool = True) -> FluxAdapter:
+        """The transformer (the assistant LoRA merged before any quantization) and the other parts; then the
+        transformer and T5 quantized block by block onto the accelerator where asked."""
+        source = cls.resolve_source(model_cfg.name_or_path)
+        with memory_debug("model load", debug_memory):
+            if is_single_file(source):
+                components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS,
+                                                "model.single_file_config")
+                transformer = cls.transformer_from_single_file(source, dtype, components)
+                parts = cls.load_components(components, dtype, None, None)
+            else:
+                transformer = FluxTransformer2DModel.from_pretrained(
+                    source, subfolder="transformer", torch_dtype=dtype, variant=model_cfg.variant,
+                    revision=model_cfg.revision)
+                parts = cls.load_components(source, dtype, model_cfg.variant, model_cfg.revision)
+        transformer.requires_grad_(False)
+        transformer.eval()
+        if model_cfg.assistant_lora_path:
+            with memory_debug("assistant LoRA load", debug_memory):
+                merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
+                                                                   "model.assistant_lora_path"))
+        adapter = cls(transformer, *parts, source=source, max_sequence_length=model_cfg.max_sequence_length)
+        adapter.compute_dtype = dtype
+        adapter.quantize_and_place(model_cfg, device, debug_memory)
+        return adapter
+
+    @staticmethod
+    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
+        """A folder, hub id or file; `tiny` / `tiny-schnell` become the tiny presets' folders."""
+        name_or_path = normalize_path(name_or_path, key)
+        return str(TINY_SOURCES[name_or_path]()) if name_or_path in TINY_SOURCES else name_or_path
+
+    @staticmethod
+    def transformer_from_single_file(path: str, dtype: torch.dtype, config_source: str) -> FluxTransformer2DModel:
+        """A transformer file in the original (BFL) or ComfyUI layout; diffusers' converter splits its fused qkv
+        and renames the blocks, the config coming from `config_source`."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        return FluxTransformer2DModel.from_single_file(path, config=config_source, subfolder="transformer",
+                                                       local_files_only=Path(config_source).is_dir(),
+                                                       torch_dtype=dtype)
+
+    @staticmethod
+    def load_components(source: str, dtype: torch.dtype, variant: str | None, revision: str | None) -> tuple:
+        """VAE, CLIP and T5 with their tokenizers, and the scheduler, of a diffusers folder or hub id."""
+        kw = {"variant": variant, "revision": revision}
+        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
+        text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
+        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        text_encoder_2 = T5EncoderModel.from_pretrained(source, subfolder="text_encoder_2", dtype=dtype, **kw)
+        tokenizer_2 = AutoTokenizer.from_pretrained(source, subfolder="tokenizer_2", revision=revision)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
+        return vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler
+
+    #: fnmatch patterns over the transformer's module names that stay in full precision: the embedders, the
+    #: final layer and the norms (their modulation linears included) are small and precision-sensitive
+    QUANTIZATION_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out", "*norm*")
+
+    def quantize_and_place(self, model_cfg: FluxModelConfig, device: torch.device, debug_memory: bool) -> None:
+        """Quantize what the config asks (block by block onto the accelerator), then place the rest: with
+        `low_vram` the text encoders and VAE stay on the CPU until the trainer needs them."""
+        if model_cfg.quantize:
+            with memory_debug("transformer quantization", debug_memory):
+                quantize_blockwise(self.transformer, model_cfg.qtype, self.quantization_blocks(),
+                                   list(self.QUANTIZATION_EXCLUDE), device)
+        if model_cfg.quantize_te:
+            with memory_debug("text encoder quantization", debug_memory):
+                quantize_blockwise(self.text_encoder_2, model_cfg.qtype_te, list(self.text_encoder_2.encoder.block),
+                                   None, device)
+        encoders = (self.vae, self.text_encoder, self.text_encoder_2)
+        for module in encoders:
+            module.requires_grad_(False)
+            module.eval()
+        safe_module_to_device(self.transformer, device)
+        for module in encoders:
+            safe_module_to_device(module, "cpu" if model_cfg.low_vram else device)
+
+    def quantization_blocks(self) -> list[torch.nn.Module]:
+        """The double- then the single-stream blocks, quantized one at a time (peak memory: one block)."""
+        return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
+
+    @property
+    def device(self) -> torch.device:
+        # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
+        return next(self.transformer.parameters()).device
+
+    # ---- text and images ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """As FluxPipeline.encode_prompt: T5's last hidden state over `max_sequence_length` padded tokens (no
+        mask, as the pipeline passes none) and CLIP's pooled output."""
+        clip = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
+                              truncation=True, return_tensors="pt")
+        pooled = self.text_encoder(to_device(clip.input_ids, self.text_encoder.device),
+                                   output_hidden_states=False).pooler_output
+        t5 = self.tokenizer_2(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                              return_tensors="pt")
+        embeds = self.text_encoder_2(to_device(t5.input_ids, self.text_encoder_2.device),
+                                     output_hidden_states=False)[0]
+        return PromptEmbeds(embeds, lengths=t5.attention_mask.sum(dim=1), pooled=pooled)
+
+    def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
+        return vae_latent_dist(self.vae, pixels)
+
+    def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
+        # the pipeline decodes latents / scaling_factor + shift_factor: training latents are the inverse
+        return vae_latents(dist, generator, self.vae.config.scaling_factor, self.vae.config.shift_factor)
+
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.vae]
+
+    def text_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.text_encoder, self.text_encoder_2]
+
+    def encoder_identity(self, part: str) -> str:
+        if part == "image":
+            return encoder_identity(self.arch, part, self.source, self.vae)
+        clip = encoder_identity(self.arch, part, self.source, self.text_encoder)
+        return encoder_identity(self.arch, part, self.source, self.text_encoder_2,
+                                extra=f"{clip}|{len(self.tokenizer_2)}|{self.max_sequence_length}")
+
+    # ---- the denoiser ------------------------------------------------------------------------------
+
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+        """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32: packed, with FluxPipeline's
+        position ids, sigma as the timestep, and the training guidance into [dev]'s guidance embedding."""
+        denoiser = module if module is not None else self._denoiser
+        dtype, device = self.compute_dtype, noisy.device
+        batch, channels, height, width = noisy.shape
+        packed = FluxPipeline._pack_latents(noisy.to(dtype), batch, channels, height, width)
+        image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, device, dtype)
+        text_ids = torch.zeros(embeds.embeds.shape[1], 3, device=device, dtype=dtype)
+        guidance = None
+        if self.guidance_embeds:
+            guidance = torch.full([batch], self.train_guidance_scale, device=device, dtype=torch.float32)
+        sigma = timesteps.float() / self.noise_schedule.num_train_timesteps
+        out = denoiser(hidden_states=packed, timestep=sigma.to(device, dtype), guidance=guidance,
+                       pooled_projections=embeds.pooled.to(dtype), encoder_hidden_states=embeds.embeds.to(dtype),
+                       txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+        return FluxPipeline._unpack_latents(out, height * self.vae_scale, width * self.vae_scale,
+                                            self.vae_scale).float()
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.transformer
+
+    def lora_target_modules(self) -> list[str]:
+        return flux_lora_targets(self.transformer)
+
+    def use_for_training(self, module: torch.nn.Module) -> None:
+        self._denoiser = module
+
+    def describe(self) -> dict[str, str]:
+        return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type,
+                "variant": "dev" if self.guidance_embeds else "schnell"}
+
+
+def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
+    """Merge an assistant LoRA file (e.g. the [schnell] training adapter; any form FluxPipeline's loader reads)
+    into the training transformer."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
+    state, alphas, metadata = FluxPipeline.lora_state_dict(path, return_alphas=True, return_lora_metadata=True)
+    merge_lora_state(transformer, state, FluxAdapter.files.prefix, metadata, alphas)
