@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from diffusers import UNet2DConditionModel, ZImageTransformer2DModel
+from diffusers import FluxTransformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel
 from helpers import trainer_process, write_job
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -18,6 +18,7 @@ from jobs.job import get_job
 from toolkit.config.loader import load_config
 from toolkit.config.schema import NetworkConfig
 from toolkit.errors import UserError
+from toolkit.models.flux.adapter import FluxAdapter, flux_lora_targets
 from toolkit.models.sd15.adapter import SD15Adapter
 from toolkit.models.zimage.adapter import ZImageAdapter
 from toolkit.network.files import ComponentNaming, convert_file, load_pretrained
@@ -33,7 +34,14 @@ from toolkit.network.lora import (
 FAMILIES = {
     "sd15": (SD15Adapter, lambda: UNet2DConditionModel.from_pretrained(sd15_folder(), subfolder="unet")),
     "zimage": (ZImageAdapter, lambda: ZImageTransformer2DModel.from_pretrained(zimage_folder(), subfolder="transformer")),
+    "flux": (FluxAdapter, lambda: FluxTransformer2DModel.from_pretrained(flux_folder(), subfolder="transformer")),
 }
+
+
+def flux_folder():
+    from toolkit.models.flux.tiny import ensure_tiny_flux
+
+    return ensure_tiny_flux()
 
 
 def sd15_folder():
@@ -53,7 +61,8 @@ def adapted(arch: str, network: NetworkConfig, seed: int | None = 0):
     factor is zero and deltas are informative)."""
     family, build = FAMILIES[arch]
     module = build()
-    params = add_lora(module, network, family.lora_target_modules(None), family.conv_target_modules(None))
+    targets = flux_lora_targets(module) if arch == "flux" else family.lora_target_modules(None)
+    params = add_lora(module, network, targets, family.conv_target_modules(None))
     if seed is not None:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -68,7 +77,7 @@ def assert_same_deltas(expected: dict, found: dict) -> None:
         torch.testing.assert_close(found[name], expected[name], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "zimage"])
+@pytest.mark.parametrize("arch", ["sd15", "zimage", "flux"])
 @pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
 def test_diffusers_comfy_diffusers_round_trip_keeps_every_delta(arch, kind, tmp_path, tiny_cache):
     """alpha 3 at rank 4: the diffusers file, its ComfyUI form, and that converted back all load (into a config

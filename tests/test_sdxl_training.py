@@ -1,6 +1,6 @@
 """SDXL end to end on the tiny preset, through the real job path: two aspect ratios, the LoRA loads in
 StableDiffusionXLPipeline in both forms (which agree), v-prediction with zero terminal SNR, every optimizer,
-exact resume with both caches, several processes."""
+exact resume with both caches (two processes: tests/test_text_encoder_lora.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
-from helpers import held_out_loss, launch, make_image, trainer_process, write_job
+from helpers import held_out_loss, make_image, trainer_process, write_job
 from instrumented_run import control_after, interrupt_after
 from PIL import Image
 from safetensors import safe_open
@@ -214,19 +214,3 @@ def test_ctrl_c_and_rerun_continue_exactly_with_both_caches(tmp_path, tiny_sdxl)
     ours, theirs = load_file(str(resumed / "resumed.safetensors")), load_file(str(straight / "straight.safetensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert any(p.name.endswith(".safetensors") for p in (tmp_path / "cache" / "latents").iterdir())
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_follow_the_one_process_lr_plan(tmp_path, tiny_sdxl):
-    process = sdxl_process(tmp_path, train={"steps": 6, "lr_scheduler": "cosine", "lr_warmup_steps": 2,
-                                            "cache_text_embeddings": True})
-    process["datasets"][0].update(cache_latents=True)
-    one = write_job(tmp_path / "one.yaml", "one", process)
-    two = write_job(tmp_path / "two.yaml", "two", process)
-    assert run.main([str(one)]) == 0
-    result = launch(two, 2, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lrs = [[r["lr"] for r in read_metrics(tmp_path / "output" / name / "metrics.jsonl")] for name in ("one", "two")]
-    assert lrs[0] == lrs[1] and len(lrs[0]) == 6
-    assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "output" / "two" / "metrics.jsonl"))

@@ -131,9 +131,12 @@ def test_ctrl_c_and_rerun_continue_exactly_with_the_text_encoders(tmp_path, tiny
 @pytest.mark.multiprocess
 def test_two_processes_keep_the_text_encoder_loras_identical(tmp_path, tiny_sdxl):
     """The text encoders are outside DDP; their gradients are averaged by hand, so every process must hold the
-    same text-encoder LoRA at the end (and the same UNet LoRA, through DDP)."""
+    same text-encoder LoRA at the end (and the same UNet LoRA, through DDP). SDXL on two processes also follows
+    the one-process LR plan (the LR is a function of the update index), latents cached."""
     process = sdxl_process(tmp_path, network={"linear": 4, "linear_alpha": 4, "train_text_encoder": True},
-                           train={"steps": 4, "gradient_accumulation": 2})
+                           train={"steps": 4, "gradient_accumulation": 2, "lr_scheduler": "linear",
+                                  "text_encoder_lr": 5e-4})
+    process["datasets"][0]["cache_latents"] = True
     job = write_job(tmp_path / "job.yaml", "two", process)
     record = tmp_path / "record"
     record.mkdir()
@@ -146,6 +149,9 @@ def test_two_processes_keep_the_text_encoder_loras_identical(tmp_path, tiny_sdxl
     assert all(torch.equal(first[k], second[k]) for k in first)
     initial_up = [k for k in text if k.endswith("lora.up.weight")]
     assert any(first[k].abs().max() > 0 for k in initial_up)  # the text encoders did train
+    records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
+    assert [r["lr"] for r in records] == pytest.approx([1e-3 * (4 - k) / 4 for k in range(4)])
+    assert [r["lr_text_encoder"] for r in records] == pytest.approx([5e-4 * (4 - k) / 4 for k in range(4)])
 
 
 @pytest.mark.slow

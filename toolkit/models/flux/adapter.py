@@ -148,6 +148,8 @@ class FluxAdapter(ModelAdapter):
         self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
         self.divisor = self.vae_scale * PATCH_SIZE
         self._denoiser: torch.nn.Module = transformer
+        #: image position ids per (latent height, width, device, dtype): built on the host once, not every step
+        self._image_ids: dict[tuple, torch.Tensor] = {}
         if not self.guidance_embeds:
             self.files = dataclasses.replace(self.files, modelspec_architecture="flux-1-schnell/lora")
 
@@ -287,7 +289,7 @@ class FluxAdapter(ModelAdapter):
         dtype, device = self.compute_dtype, noisy.device
         batch, channels, height, width = noisy.shape
         packed = FluxPipeline._pack_latents(noisy.to(dtype), batch, channels, height, width)
-        image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, device, dtype)
+        image_ids = self.image_ids(height, width, device, dtype)
         text_ids = torch.zeros(embeds.embeds.shape[1], 3, device=device, dtype=dtype)
         guidance = None
         if self.guidance_embeds:
@@ -298,6 +300,15 @@ class FluxAdapter(ModelAdapter):
                        txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
         return FluxPipeline._unpack_latents(out, height * self.vae_scale, width * self.vae_scale,
                                             self.vae_scale).float()
+
+    def image_ids(self, height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """FluxPipeline's image position ids for latents of this size, sent to the device once per bucket (a copy
+        from the host every step would make it wait for the device)."""
+        key = (height, width, device, dtype)
+        if key not in self._image_ids:
+            ids = FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, "cpu", dtype)
+            self._image_ids[key] = to_device(ids, device)
+        return self._image_ids[key]
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer
