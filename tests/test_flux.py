@@ -170,8 +170,11 @@ def test_quantization_keeps_embedders_norms_and_final_layer(tiny_cache):
     modules = dict(adapter.transformer.named_modules())
     assert isinstance(modules["transformer_blocks.0.attn.to_q"], QModuleMixin)
     assert isinstance(modules["single_transformer_blocks.0.proj_mlp"], QModuleMixin)
-    for kept in ("x_embedder", "context_embedder", "proj_out", "norm_out.linear", "transformer_blocks.0.norm1.linear"):
+    for kept in ("x_embedder", "context_embedder", "proj_out", "norm_out.linear",
+                 "time_text_embed.guidance_embedder.linear_1"):
         assert not isinstance(modules[kept], QModuleMixin), kept
+    for modulation in ("transformer_blocks.0.norm1.linear", "single_transformer_blocks.0.norm.linear"):
+        assert isinstance(modules[modulation], QModuleMixin), modulation  # about a quarter of FLUX.1's weights
     assert any(isinstance(m, QModuleMixin) for m in adapter.text_encoder_2.modules())
     embeds = adapter.encode_prompts(PROMPTS[:1])
     assert torch.isfinite(adapter.predict(torch.randn(1, 16, 4, 4), torch.tensor([300.0]), embeds)).all()
@@ -185,7 +188,8 @@ def test_prompt_embeds_of_the_blank_prompt_stack_with_captions(dev):
     assert isinstance(blank, PromptEmbeds)
 
 
-def job_text(model: str, train: str = "") -> str:
+def job_text(model: str, train: str = "", sample: str = "") -> str:
+    sample = f"\n      sample: {{{sample}}}" if sample else ""
     return f"""
 config:
   name: t
@@ -193,18 +197,19 @@ config:
     - type: sd_trainer
       model: {{{model}}}
       datasets: [{{folder_path: data}}]
-      train: {{steps: 1{train}}}
+      train: {{steps: 1{train}}}{sample}
 """
 
 
-@pytest.mark.parametrize("model, train, message", [
-    ("arch: sd15, name_or_path: tiny", ", guidance_scale: 1.0", "train.guidance_scale: the sd15 family"),
-    ("arch: flux, name_or_path: tiny, max_sequence_length: 600", "", "max_sequence_length"),
-    ("arch: flux, name_or_path: tiny", ", zero_terminal_snr: true", "train.zero_terminal_snr: the flux family"),
+@pytest.mark.parametrize("model, train, sample, message", [
+    ("arch: sd15, name_or_path: tiny", ", guidance_scale: 1.0", "", "train.guidance_scale: the sd15 family"),
+    ("arch: flux, name_or_path: tiny, max_sequence_length: 600", "", "", "max_sequence_length"),
+    ("arch: flux, name_or_path: tiny", ", zero_terminal_snr: true", "", "train.zero_terminal_snr: the flux family"),
+    ("arch: flux, name_or_path: tiny", "", "neg: blurry", "sample.neg: FLUX.1 samples without classifier-free"),
 ])
-def test_config_refuses_what_flux_cannot_do(tmp_path, registry, model, train, message):
+def test_config_refuses_what_flux_cannot_do(tmp_path, registry, model, train, sample, message):
     path = tmp_path / "job.yaml"
-    path.write_text(job_text(model, train))
+    path.write_text(job_text(model, train, sample))
     with pytest.raises(ConfigError, match=message):
         load_config(str(path), registry)
 
@@ -249,3 +254,18 @@ def test_missing_assistant_lora_is_named(tmp_path):
     cfg = model_config(arch="flux", name_or_path="tiny", assistant_lora_path=str(tmp_path / "absent.safetensors"))
     with pytest.raises(FileNotFoundError, match="model.assistant_lora_path"):
         FluxAdapter.load(cfg, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("preset, expected", [("tiny", True), ("tiny-schnell", False)])
+def test_a_single_files_variant_is_read_from_its_keys(tiny_cache, tmp_path, preset, expected):
+    """Without `single_file_config`, a single transformer file takes its configs from the matching repo: [dev]
+    files have guidance-embedding weights, [schnell] files do not."""
+    from safetensors.torch import save_file
+
+    from toolkit.models.flux.adapter import DEFAULT_COMPONENTS, has_guidance_weights
+
+    adapter = FluxAdapter.load(model_config(arch="flux", name_or_path=preset), CPU, torch.float32)
+    path = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in adapter.transformer.state_dict().items()}, str(path))
+    assert has_guidance_weights(str(path)) is expected
+    assert DEFAULT_COMPONENTS[expected].endswith("dev" if expected else "schnell")

@@ -61,7 +61,7 @@ def test_dev_on_a_qint8_base_with_quantized_t5_and_both_caches(tmp_path, registr
     process = flux_process(tmp_path, model={"quantize": True, "qtype": "qint8", "quantize_te": True,
                                             "qtype_te": "qint8"},
                            network={"linear": 4, "linear_alpha": 8},
-                           train={"steps": 30, "lr": 3e-3, "cache_text_embeddings": True, "guidance_scale": 1.0,
+                           train={"steps": 30, "lr": 3e-3, "cache_text_embeddings": True, "guidance_scale": 2.0,
                                   "gradient_checkpointing": True, "min_snr_gamma": 5.0},
                            sample={"prompts": ["shp, a blob"], "width": 64, "height": 64, "sample_steps": 2})
     process["datasets"][0]["cache_latents"] = True
@@ -69,6 +69,7 @@ def test_dev_on_a_qint8_base_with_quantized_t5_and_both_caches(tmp_path, registr
     records = read_metrics(run_dir / "metrics.jsonl")
     assert len(records) == 30 and all(np.isfinite(r["loss"]) for r in records)
     adapter = trainer.adapter
+    assert adapter.train_guidance_scale == 2.0  # train.guidance_scale reached the guidance embedding's input
     assert isinstance(adapter.transformer.get_submodule("transformer_blocks.0.attn.to_q").base_layer, QModuleMixin)
     assert any(isinstance(m, QModuleMixin) for m in adapter.text_encoder_2.modules())
     pixels, captions = square_batch(tmp_path / "data", adapter.divisor)
@@ -130,6 +131,7 @@ def test_schnell_lora_loads_in_flux_pipeline_in_both_forms(schnell_trained):
     assert held_out_loss(adapter, adapter.transformer, pixels, captions) == pytest.approx(after, rel=1e-5)
     text = Image.open(run_dir / "samples" / "step_000000024_0.png").text
     assert (text["num_inference_steps"], text["guidance_scale"]) == ("4", "0.0")  # [schnell]'s defaults
+    assert text["max_sequence_length"] == "256"  # T5 runs unmasked: rendering again needs the same length
 
 
 @pytest.mark.slow

@@ -134,8 +134,8 @@ def test_two_processes_keep_the_text_encoder_loras_identical(tmp_path, tiny_sdxl
     same text-encoder LoRA at the end (and the same UNet LoRA, through DDP). SDXL on two processes also follows
     the one-process LR plan (the LR is a function of the update index), latents cached."""
     process = sdxl_process(tmp_path, network={"linear": 4, "linear_alpha": 4, "train_text_encoder": True},
-                           train={"steps": 4, "gradient_accumulation": 2, "lr_scheduler": "linear",
-                                  "text_encoder_lr": 5e-4})
+                           train={"steps": 4, "gradient_accumulation": 2, "lr_scheduler": "cosine",
+                                  "lr_warmup_steps": 1, "text_encoder_lr": 5e-4})
     process["datasets"][0]["cache_latents"] = True
     job = write_job(tmp_path / "job.yaml", "two", process)
     record = tmp_path / "record"
@@ -150,8 +150,21 @@ def test_two_processes_keep_the_text_encoder_loras_identical(tmp_path, tiny_sdxl
     initial_up = [k for k in text if k.endswith("lora.up.weight")]
     assert any(first[k].abs().max() > 0 for k in initial_up)  # the text encoders did train
     records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
-    assert [r["lr"] for r in records] == pytest.approx([1e-3 * (4 - k) / 4 for k in range(4)])
-    assert [r["lr_text_encoder"] for r in records] == pytest.approx([5e-4 * (4 - k) / 4 for k in range(4)])
+    factors = [cosine_factor(k, warmup=1, total=4) for k in range(4)]
+    assert [r["lr"] for r in records] == pytest.approx([1e-3 * f for f in factors])
+    assert [r["lr_text_encoder"] for r in records] == pytest.approx([5e-4 * f for f in factors])
+
+
+def cosine_factor(step: int, warmup: int, total: int) -> float:
+    """diffusers' cosine schedule with warmup at update `step` (what one process gives)."""
+    from diffusers.optimization import get_cosine_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total)
+    for _ in range(step):
+        optimizer.step()
+        scheduler.step()
+    return scheduler.get_last_lr()[0]
 
 
 @pytest.mark.slow

@@ -80,6 +80,9 @@ class SDTrainerConfig(Section):
         if self.train.guidance_scale is not None and not facts.guidance_embedding:
             problems.append(f"train.guidance_scale: the {arch} family ({facts.title}) has no guidance embedding to "
                             "train with; remove it")
+        if self.sample.neg and not facts.negative_prompt:
+            problems.append(f"sample.neg: {facts.title} samples without classifier-free guidance, so a negative "
+                            "prompt would not apply; remove it")
         if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
             problems.append(f"sample.guidance_rescale: the {arch} sampling pipeline has no guidance rescale; remove it")
         if problems:

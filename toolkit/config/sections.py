@@ -367,7 +367,7 @@ class SampleConfig(Section):
                               "(when prompts are given).", json_schema_extra=aka("sample_every_n_steps"))
     prompts: list[str] = Field([], description="Prompts; `[trigger]` is replaced by the trigger word.",
                                json_schema_extra=aka("sample_prompts"))
-    neg: str = Field("", description="Negative prompt.", json_schema_extra=aka("negative_prompt"))
+    neg: str = Field("", description="Negative prompt (families with classifier-free guidance; refused for flux).", json_schema_extra=aka("negative_prompt"))
     seed: int = Field(42, description="Seed of the first prompt.")
     walk_seed: bool = Field(True, description="Prompt i uses seed + i (otherwise every prompt uses `seed`).")
     guidance_scale: float | None = Field(None, ge=0, description="Guidance scale; default per family: sd15 7, "

@@ -169,6 +169,10 @@ class SamplingParts(ABC):
         """Other models that carry the trained LoRA (sharing its layers), e.g. a separate sampling model."""
         return []
 
+    def reproduction(self) -> dict:
+        """Pipeline arguments a sample's PNG records besides the common ones, where rendering it again needs them."""
+        return {}
+
 
 class ModelAdapter(ABC):
     """One model family. Built by `load`; the trainer calls only the members below and the parts' methods."""

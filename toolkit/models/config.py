@@ -31,6 +31,9 @@ class FamilyFacts:
     size_conditioning: bool = False
     #: a guidance-distilled denoiser with a guidance embedding (`train.guidance_scale`)
     guidance_embedding: bool = False
+    #: samples use a negative prompt (`sample.neg`); guidance-distilled samplers without classifier-free guidance
+    #: have none
+    negative_prompt: bool = True
 
 
 class ModelConfigBase(Section):

@@ -44,8 +44,8 @@ from toolkit.paths import normalize_path
 from toolkit.quantize import quantize_blockwise
 
 #: where a single-file transformer's other parts and its config come from when `model.single_file_config` is not
-#: given: the repo diffusers itself picks for FLUX.1 checkpoints
-DEFAULT_COMPONENTS = "black-forest-labs/FLUX.1-dev"
+#: given, by variant ([dev] has guidance-embedding weights): the repos diffusers itself picks for FLUX.1 files
+DEFAULT_COMPONENTS = {True: "black-forest-labs/FLUX.1-dev", False: "black-forest-labs/FLUX.1-schnell"}
 
 #: `name_or_path` values that build a tiny random model offline
 TINY_SOURCES: dict[str, Callable[[], Path]] = {"tiny": ensure_tiny_flux, "tiny-schnell": ensure_tiny_flux_schnell}
@@ -106,6 +106,10 @@ class FluxSampling(SamplingParts):
                             text_encoder=a.text_encoder, tokenizer=a.tokenizer, text_encoder_2=a.text_encoder_2,
                             tokenizer_2=a.tokenizer_2, transformer=a.transformer)
 
+    def reproduction(self) -> dict:
+        """T5 runs unmasked, so the padded length shapes the embeddings: rendering again needs the same one."""
+        return {"max_sequence_length": self.adapter.max_sequence_length}
+
     @torch.no_grad()
     def conditioning(self, prompt: str, negative: str) -> dict[str, torch.Tensor]:
         """The pipeline's own `encode_prompt` (FluxPipeline uses the negative prompt only with true CFG)."""
@@ -163,8 +167,9 @@ class FluxAdapter(ModelAdapter):
         source = cls.resolve_source(model_cfg.name_or_path)
         with memory_debug("model load", debug_memory):
             if is_single_file(source):
-                components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS,
-                                                "model.single_file_config")
+                components = cls.resolve_source(
+                    model_cfg.single_file_config or DEFAULT_COMPONENTS[has_guidance_weights(source)],
+                    "model.single_file_config")
                 transformer = cls.transformer_from_single_file(source, dtype, components)
                 parts = cls.load_components(components, dtype, None, None)
             else:
@@ -211,9 +216,11 @@ class FluxAdapter(ModelAdapter):
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
         return vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler
 
-    #: fnmatch patterns over the transformer's module names that stay in full precision: the embedders, the
-    #: final layer and the norms (their modulation linears included) are small and precision-sensitive
-    QUANTIZATION_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out", "*norm*")
+    #: fnmatch patterns over the transformer's module names that stay in full precision: the input embedders, the
+    #: timestep/guidance/text embedding and the final norm and projection (small and precision-sensitive). The
+    #: blocks' modulation linears (`norm1.linear`, `norm.linear`: about a quarter of the weights) are quantized with
+    #: the rest of each block; quanto leaves the norms themselves alone.
+    QUANTIZATION_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")
 
     def quantize_and_place(self, model_cfg: FluxModelConfig, device: torch.device, debug_memory: bool) -> None:
         """Quantize what the config asks (block by block onto the accelerator), then place the rest: with
@@ -331,3 +338,14 @@ def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
         raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
     state, alphas, metadata = FluxPipeline.lora_state_dict(path, return_alphas=True, return_lora_metadata=True)
     merge_lora_state(transformer, state, FluxAdapter.files.prefix, metadata, alphas)
+
+
+def has_guidance_weights(path: str) -> bool:
+    """Whether a single transformer file is [dev]-like (a guidance embedding: `guidance_in.*` in the original
+    layout, `...guidance_embedder.*` in diffusers'); its key names only are read."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as handle:
+        return any("guidance_in." in key or "guidance_embedder." in key for key in handle.keys())

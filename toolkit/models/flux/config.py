@@ -8,7 +8,7 @@ from pydantic import Field
 
 from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOptions
 
-FACTS = FamilyFacts(title="FLUX.1", guidance_embedding=True)
+FACTS = FamilyFacts(title="FLUX.1", guidance_embedding=True, negative_prompt=False)
 
 
 class FluxModelConfig(QuantizedBaseOptions, ModelConfigBase):
