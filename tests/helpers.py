@@ -51,6 +51,22 @@ def write_job(path: Path, name: str, *processes: dict) -> Path:
 
 
 
+def inline_job(path: Path, model: str, train: str = "", sample: str = "") -> Path:
+    """A one-process job file written inline (`model`, `train` and `sample` are the insides of YAML flow mappings;
+    `train` is appended after `steps: 1`): config checks without a dataset on disk."""
+    path.write_text(f"""
+config:
+  name: t
+  process:
+    - type: sd_trainer
+      model: {{{model}}}
+      datasets: [{{folder_path: data}}]
+      train: {{steps: 1{train}}}
+      sample: {{{sample}}}
+""")
+    return path
+
+
 def make_images(folder: Path, count: int, size: tuple[int, int] = (32, 32)) -> Path:
     """`count` small images with distinct colours and captions."""
     for i in range(count):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from helpers import inline_job
 
 from toolkit.config.loader import ConfigError, load_config
 from toolkit.diffusion.timesteps import shift_u
@@ -188,19 +189,6 @@ def test_prompt_embeds_of_the_blank_prompt_stack_with_captions(dev):
     assert isinstance(blank, PromptEmbeds)
 
 
-def job_text(model: str, train: str = "", sample: str = "") -> str:
-    sample = f"\n      sample: {{{sample}}}" if sample else ""
-    return f"""
-config:
-  name: t
-  process:
-    - type: sd_trainer
-      model: {{{model}}}
-      datasets: [{{folder_path: data}}]
-      train: {{steps: 1{train}}}{sample}
-"""
-
-
 @pytest.mark.parametrize("model, train, sample, message", [
     ("arch: sd15, name_or_path: tiny", ", guidance_scale: 1.0", "", "train.guidance_scale: the sd15 family"),
     ("arch: flux, name_or_path: tiny, max_sequence_length: 600", "", "", "max_sequence_length"),
@@ -208,16 +196,15 @@ config:
     ("arch: flux, name_or_path: tiny", "", "neg: blurry", "sample.neg: FLUX.1 samples without classifier-free"),
 ])
 def test_config_refuses_what_flux_cannot_do(tmp_path, registry, model, train, sample, message):
-    path = tmp_path / "job.yaml"
-    path.write_text(job_text(model, train, sample))
+    path = inline_job(tmp_path / "job.yaml", model, train, sample)
     with pytest.raises(ConfigError, match=message):
         load_config(str(path), registry)
 
 
 def test_config_takes_the_flux_keys(tmp_path, registry):
-    path = tmp_path / "job.yaml"
-    path.write_text(job_text("arch: flux, name_or_path: tiny, quantize: true, qtype: qint4, max_sequence_length: 256",
-                             ", guidance_scale: 3.5"))
+    path = inline_job(tmp_path / "job.yaml",
+                      "arch: flux, name_or_path: tiny, quantize: true, qtype: qint4, max_sequence_length: 256",
+                      ", guidance_scale: 3.5")
     process = load_config(str(path), registry)[0].config.process[0]
     assert process.model.max_sequence_length == 256 and process.train.guidance_scale == 3.5
 

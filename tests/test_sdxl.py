@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
-from helpers import make_image
+from helpers import inline_job, make_image
 from ldm_format import convert_vae, save_as_sgm_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -186,19 +186,6 @@ def test_sampling_conditioning_is_the_pipelines_with_zero_negative(adapter, pipe
     assert not given["negative_prompt_embeds"].any() and not given["negative_pooled_prompt_embeds"].any()
 
 
-def job_text(model: str, train: str = "", sample: str = "") -> str:
-    return f"""
-config:
-  name: t
-  process:
-    - type: sd_trainer
-      model: {{{model}}}
-      datasets: [{{folder_path: data}}]
-      train: {{steps: 1{train}}}
-      sample: {{prompts: [a]{sample}}}
-"""
-
-
 @pytest.mark.parametrize("model, train, sample, message", [
     ("arch: zimage, name_or_path: tiny", ", zero_terminal_snr: true", "",
      "train.zero_terminal_snr: the zimage family"),
@@ -208,16 +195,15 @@ config:
     ("arch: sd15, name_or_path: tiny, vae_name_or_path: x", "", "", "vae_name_or_path"),
 ])
 def test_config_refuses_what_the_family_cannot_do(tmp_path, registry, model, train, sample, message):
-    path = tmp_path / "job.yaml"
-    path.write_text(job_text(model, train, sample))
+    path = inline_job(tmp_path / "job.yaml", model, train, "prompts: [a]" + sample)
     with pytest.raises(ConfigError, match=message):
         load_config(str(path), registry)
 
 
 def test_config_takes_the_sdxl_keys(tmp_path, registry):
-    path = tmp_path / "job.yaml"
-    path.write_text(job_text("arch: sdxl, name_or_path: tiny, prediction_type: v_prediction, vae_name_or_path: vae",
-                             ", zero_terminal_snr: true", ", guidance_rescale: 0.7"))
+    path = inline_job(tmp_path / "job.yaml",
+                      "arch: sdxl, name_or_path: tiny, prediction_type: v_prediction, vae_name_or_path: vae",
+                      ", zero_terminal_snr: true", "prompts: [a], guidance_rescale: 0.7")
     config, _ = load_config(str(path), registry)
     process = config.config.process[0]
     assert process.model.prediction_type == "v_prediction" and process.train.zero_terminal_snr

@@ -56,12 +56,18 @@ def read_header(path: Path) -> dict[str, str]:
         return handle.metadata() or {}
 
 
-def is_comfy_file(path: Path, files: LoraFileFormat) -> bool:
-    """Whether an adapter file holds ComfyUI/kohya keys (its key names only are read)."""
+def key_names(path: Path) -> list[str]:
+    """An adapter file's key names, without reading its tensors; none for a folder (a peft folder holds one model,
+    the trained module's, read by `read_peft_folder`)."""
     if path.is_dir():
-        return False
+        return []
     with safe_open(str(path), "pt") as handle:
-        return is_comfy_form(dict.fromkeys(handle.keys()), files.comfy_prefix, files.comfy_separator, files.prefix)
+        return list(handle.keys())
+
+
+def is_comfy_file(path: Path, files: LoraFileFormat) -> bool:
+    """Whether an adapter file holds ComfyUI/kohya keys."""
+    return is_comfy_form(dict.fromkeys(key_names(path)), files.comfy_prefix, files.comfy_separator, files.prefix)
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -226,12 +232,9 @@ def load_pretrained(module: torch.nn.Module, path: Path, files: LoraFileFormat) 
 
 
 def file_has_component(path: Path, component: LoraComponent) -> bool:
-    """Whether an adapter file holds weights of this component (its key names only are read)."""
-    if path.is_dir():
-        return False  # a peft folder holds one model: the denoiser's, read by `load_pretrained`
-    with safe_open(str(path), "pt") as handle:
-        return any(key.startswith((component.prefix + ".", component.comfy_prefix + component.comfy_separator))
-                   for key in handle.keys())
+    """Whether an adapter file holds weights of this component."""
+    own = (component.prefix + ".", component.comfy_prefix + component.comfy_separator)
+    return any(key.startswith(own) for key in key_names(path))
 
 
 def load_component(component: LoraComponent, path: Path, others_trained: bool = False) -> None:
@@ -302,19 +305,13 @@ class ComponentNaming:
                    diffusers_renames=component.diffusers_renames, peft_names=component.comfy_peft_names)
 
     def in_file(self, path: Path) -> bool:
-        if path.is_dir():
-            return False
-        with safe_open(str(path), "pt") as handle:
-            return any(key.startswith((self.prefix + ".", self.comfy_prefix + self.separator)) for key in handle.keys())
+        return any(key.startswith((self.prefix + ".", self.comfy_prefix + self.separator)) for key in key_names(path))
 
 
 def has_other_components(path: Path, files: LoraFileFormat) -> bool:
     """Whether an adapter file holds weights beyond the family's trained module (e.g. text encoders)."""
-    if path.is_dir():
-        return False
     own = (files.prefix + ".", files.comfy_prefix + files.comfy_separator)
-    with safe_open(str(path), "pt") as handle:
-        return any(not key.startswith(own) for key in handle.keys())
+    return any(not key.startswith(own) for key in key_names(path))
 
 
 def convert_file(source: Path, target: Path, to: str, namings: list[ComponentNaming]) -> int:

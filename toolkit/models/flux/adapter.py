@@ -39,6 +39,7 @@ from toolkit.models.common import (
 )
 from toolkit.models.flux.config import FACTS, FluxModelConfig
 from toolkit.models.flux.tiny import ensure_tiny_flux, ensure_tiny_flux_schnell
+from toolkit.network.files import key_names
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
 from toolkit.quantize import quantize_blockwise
@@ -345,7 +346,4 @@ def has_guidance_weights(path: str) -> bool:
     layout, `...guidance_embedder.*` in diffusers'); its key names only are read."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"model file not found: {path}")
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as handle:
-        return any("guidance_in." in key or "guidance_embedder." in key for key in handle.keys())
+    return any("guidance_in." in key or "guidance_embedder." in key for key in key_names(Path(path)))
