@@ -7,11 +7,14 @@ like any Linear layer, and only the LoRA weights get gradients.
 from __future__ import annotations
 
 import glob
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
 from optimum.quanto.nn import QModuleMixin
+from safetensors import safe_open
 
 from toolkit.device import safe_module_to_device
 
@@ -180,3 +183,89 @@ def stored_bytes(tensor: torch.Tensor) -> int:
         inner = [getattr(tensor, name) for name in inner_names]
         return sum(stored_bytes(part) for part in inner if part is not None)
     return tensor.numel() * tensor.element_size()
+
+
+# ---- loading a quantized model without ever holding it in full precision --------------------------------------
+
+
+def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
+    """The safetensors weight files of a diffusers model folder (sharded or not, of `variant` if given)."""
+    suffix = f".{variant}.safetensors" if variant else ".safetensors"
+    index = sorted(folder.glob("*.safetensors.index.json" if not variant else f"*.safetensors.index.{variant}.json"))
+    if index:
+        shards = sorted(set(json.loads(index[0].read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    files = [path for path in sorted(folder.glob(f"*{suffix}"))
+             if variant or path.name.count(".") == 1]  # `x.fp16.safetensors` is another variant's
+    if not files:
+        raise FileNotFoundError(f"no {suffix.lstrip('.')} weights in {folder}")
+    return files
+
+
+class StreamedWeights:
+    """Where each tensor of a model's weight files lives: {state-dict name: (file, name in the file)}. Files may
+    carry a common prefix (e.g. ComfyUI's `model.diffusion_model.`), which `strip` removes."""
+
+    def __init__(self, files: list[Path], strip: tuple[str, ...] = ()):
+        self.location: dict[str, tuple[Path, str]] = {}
+        for path in files:
+            with safe_open(str(path), "pt") as handle:
+                for key in handle.keys():
+                    name = next((key[len(p):] for p in strip if key.startswith(p)), key)
+                    self.location[name] = (path, key)
+
+    def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The named tensors, in `dtype` (floating point only) on `device`; each file is opened for the read and
+        closed after, so that no mapping of the whole file stays resident."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.location[name][0], []).append(name)
+        tensors = {}
+        for path, in_file in by_file.items():
+            with safe_open(str(path), "pt") as handle:
+                for name in in_file:
+                    tensor = handle.get_tensor(self.location[name][1])
+                    tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    tensors[name] = tensor.to(device)
+        return tensors
+
+
+def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype: torch.dtype, qtype: str,
+                   blocks: list[str], exclude: list[str], device: torch.device | str, source: str) -> torch.nn.Module:
+    """Fill `empty_model` (built on the meta device) from `weights` and quantize it, one block at a time: each
+    block's tensors are read in `dtype` straight onto `device`, quantized and frozen there before the next block
+    is read, so neither host nor accelerator ever holds more than the quantized model plus one full-precision block.
+
+    diffusers' own quanto loading (`QuantoConfig`) reads a whole weight shard (about 5 GB for the big DiTs) into
+    host memory first and quantizes where the tensors land; this keeps peak memory at one block and quantizes on
+    the accelerator. `blocks` are module names; the rest of the model (embedders, final layers, norms) is read
+    last, with `exclude` (fnmatch patterns) kept in full precision."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    weights_type = quanto_qtype(qtype)
+    keep_qfloat8_off_marlin()
+    keep_quantized_linear_dtypes_matched()
+    expected = set(empty_model.state_dict())
+    missing = sorted(expected - set(weights.location))
+    unexpected = sorted(set(weights.location) - expected)
+    if missing or unexpected:
+        detail = (f"missing {len(missing)} tensors (e.g. {missing[0]})" if missing else
+                  f"{len(unexpected)} tensors the model does not have (e.g. {unexpected[0]})")
+        raise ValueError(f"{source}: the weights do not fit {type(empty_model).__name__}'s config: {detail}")
+
+    def fill(names: list[str]) -> None:
+        for name, tensor in weights.read(names, dtype, device).items():
+            set_module_tensor_to_device(empty_model, name, device, value=tensor, dtype=tensor.dtype)
+
+    done: set[str] = set()
+    for block in blocks:
+        names = sorted(n for n in expected if n.startswith(block + "."))
+        fill(names)
+        done.update(names)
+        quantize(empty_model, weights=weights_type, include=subtree_patterns(block), exclude=exclude)
+        freeze(empty_model.get_submodule(block))
+    fill(sorted(expected - done))
+    quantize(empty_model, weights=weights_type, exclude=exclude + [p for b in blocks for p in subtree_patterns(b)])
+    freeze_new(empty_model)
+    empty_model.requires_grad_(False)
+    return empty_model.eval()

@@ -19,7 +19,7 @@ from toolkit.config.sections import DatasetConfig
 from toolkit.data.captions import process_caption
 from toolkit.data.dataset import ImageDataset
 from toolkit.files import write_atomic
-from toolkit.models.base import ModelAdapter, PromptEmbeds
+from toolkit.models.base import ModelAdapter, PromptEmbeds, join_padded
 from toolkit.train.seeding import seeded_generator
 
 log = logging.getLogger("difftune")
@@ -101,9 +101,11 @@ class CachedCaptions:
         accelerator.wait_for_everyone()
 
     def write(self, caption: str, embeds: PromptEmbeds, row: int) -> None:
-        tensors = {"embeds": embeds.embeds[row].cpu().contiguous()}
+        # where prompts keep their own length, the entry holds the prompt's own tokens, not its batch's padding
+        end = int(embeds.lengths[row]) if self.adapter.text.variable_length else None
+        tensors = {"embeds": embeds.embeds[row, :end].cpu().contiguous()}
         if embeds.attention_mask is not None:
-            tensors["attention_mask"] = embeds.attention_mask[row].cpu().contiguous()
+            tensors["attention_mask"] = embeds.attention_mask[row, :end].cpu().contiguous()
         if embeds.lengths is not None:
             tensors["length"] = embeds.lengths[row].reshape(1).cpu()
         if embeds.pooled is not None:
@@ -163,7 +165,8 @@ class CachedCaptions:
             masks.append(entry.get("attention_mask"))
             lengths.append(entry.get("length"))
             pooled.append(entry.get("pooled"))
-        mask = torch.stack(masks) if all(m is not None for m in masks) else None
+        embeds, mask = join_padded([row.unsqueeze(0) for row in rows],
+                                   [m.unsqueeze(0) if m is not None else None for m in masks])
         length = torch.cat(lengths) if all(n is not None for n in lengths) else None
         pooled = torch.stack(pooled) if all(p is not None for p in pooled) else None
-        return PromptEmbeds(torch.stack(rows), mask, length, pooled).to(self.adapter.device)
+        return PromptEmbeds(embeds, mask, length, pooled).to(self.adapter.device)

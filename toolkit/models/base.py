@@ -39,6 +39,32 @@ class PromptEmbeds:
         pooled = None if self.pooled is None else to_device(self.pooled, device, dtype)
         return PromptEmbeds(to_device(self.embeds, device, dtype), self.attention_mask, self.lengths, pooled)
 
+    @classmethod
+    def padded(cls, rows: list[torch.Tensor], lengths: torch.Tensor) -> PromptEmbeds:
+        """Prompts of their own lengths ([tokens, dim] each, `lengths` on the host) zero-padded at the end to the
+        longest, with the mask saying which tokens are real (families whose prompts keep their own length)."""
+        embeds, mask = join_padded([row.unsqueeze(0) for row in rows],
+                                   [torch.ones(1, len(row), dtype=torch.bool) for row in rows])
+        return cls(embeds, mask, lengths)
+
+
+def join_padded(embeds: list[torch.Tensor], masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Batches of prompt embeddings ([B_i, tokens_i, dim]) and their host masks ([B_i, tokens_i]) joined along the
+    batch. Batches of one length join as they are; shorter ones are zero-padded at the end to the longest, their
+    masks False there (so a prompt's embeddings mean the same whatever it is batched with)."""
+    longest = max(e.shape[1] for e in embeds)
+    have_masks = all(m is not None for m in masks)
+    if all(e.shape[1] == longest for e in embeds):
+        return torch.cat(embeds), torch.cat(masks) if have_masks else None
+    if not have_masks:
+        raise ValueError("prompt embeddings of different lengths can only be joined with their attention masks")
+
+    def pad(tensor: torch.Tensor) -> torch.Tensor:
+        extra = longest - tensor.shape[1]
+        return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], extra, *tensor.shape[2:])], dim=1) if extra else tensor
+
+    return torch.cat([pad(e) for e in embeds]), torch.cat([pad(m) for m in masks])
+
 
 @dataclass
 class LatentDist:
@@ -124,6 +150,10 @@ class TextRules:
     """How a family's prompts become conditioning beyond `encode_prompts`; the defaults fit a CLIP-style
     encoder with a start and an end token and no length warning."""
 
+    #: prompts keep their own length (a batch is padded to its longest prompt, with a mask): cached entries store a
+    #: prompt's own tokens and batches are padded when they are put together
+    variable_length: ClassVar[bool] = False
+
     def __init__(self, adapter: ModelAdapter):
         self.adapter = adapter
 
@@ -168,6 +198,11 @@ class SamplingParts(ABC):
     def mirrors(self) -> list[torch.nn.Module]:
         """Other models that carry the trained LoRA (sharing its layers), e.g. a separate sampling model."""
         return []
+
+    def pipeline_arguments(self, text: dict[str, Any], guidance: float) -> dict[str, Any]:
+        """The pipeline's prompt and guidance arguments: `text` (the prompts, or `conditioning`'s embeddings) and the
+        guidance scale under the name the family's pipeline takes (a family with true CFG maps it otherwise)."""
+        return {**text, "guidance_scale": guidance}
 
     def reproduction(self) -> dict:
         """Pipeline arguments a sample's PNG records besides the common ones, where rendering it again needs them."""

@@ -23,6 +23,8 @@ class Family:
 
 FAMILIES: dict[str, Family] = {family.arch: family for family in (
     Family("flux", "toolkit.models.flux.config:FluxModelConfig", "toolkit.models.flux.adapter:FluxAdapter"),
+    Family("qwen_image", "toolkit.models.qwen_image.config:QwenImageModelConfig",
+           "toolkit.models.qwen_image.adapter:QwenImageAdapter"),
     Family("sd15", "toolkit.models.sd15.config:SD15ModelConfig", "toolkit.models.sd15.adapter:SD15Adapter"),
     Family("sdxl", "toolkit.models.sdxl.config:SDXLModelConfig", "toolkit.models.sdxl.adapter:SDXLAdapter"),
     Family("wuerstchen", "toolkit.models.wuerstchen.config:WuerstchenModelConfig",

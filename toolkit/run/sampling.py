@@ -40,17 +40,17 @@ class SampleRenderer:
     def steps(self, adapter: ModelAdapter) -> int:
         return adapter.sampling.default_steps if self.cfg.sample_steps is None else self.cfg.sample_steps
 
-    def reproduction(self, pipe, prompt: str, seed: int, guidance: float, step: int, steps: int,
+    def reproduction(self, pipe, prompt: str, seed: int, guidance: dict, step: int, steps: int,
                      extras: dict | None = None) -> dict:
         """What a sample's PNG text records: enough to render it again in diffusers (docs/networks.md): the
-        pipeline and scheduler (class and config), steps, guidance, size, the CPU generator's seed, the LoRA at
-        scale 1 (the run's <name>.safetensors, or the checkpoint of `step`), and the family's `extras` (pipeline
-        arguments such as FLUX.1's `max_sequence_length`)."""
+        pipeline and scheduler (class and config), steps, the guidance arguments (as the family's pipeline names
+        them), size, the CPU generator's seed, the LoRA at scale 1 (the run's <name>.safetensors, or the checkpoint
+        of `step`), and the family's `extras` (pipeline arguments such as FLUX.1's `max_sequence_length`)."""
         return {"prompt": prompt, "negative_prompt": self.cfg.neg, "seed": seed, "step": step,
                 "model": self.model_name, "pipeline": type(getattr(pipe, "pipe", pipe)).__name__,
                 "scheduler": type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else "",
                 "scheduler_config": json.dumps(dict(pipe.scheduler.config)) if hasattr(pipe, "scheduler") else "",
-                "num_inference_steps": steps, "guidance_scale": guidance, "width": self.cfg.width,
+                "num_inference_steps": steps, **guidance, "width": self.cfg.width,
                 "height": self.cfg.height, "generator": "torch.Generator('cpu').manual_seed(seed)", "lora_scale": 1.0,
                 **self.rescale(), **(extras or {})}
 
@@ -81,17 +81,18 @@ class SampleRenderer:
             guidance = (adapter.sampling.default_guidance_scale if self.cfg.guidance_scale is None
                         else self.cfg.guidance_scale)
             steps = self.steps(adapter)
+            arguments = adapter.sampling.pipeline_arguments(text, guidance)
             image = pipe(
-                **text,
+                **arguments,
                 **self.rescale(),
                 num_inference_steps=steps,
-                guidance_scale=guidance,
                 width=self.cfg.width,
                 height=self.cfg.height,
                 generator=torch.Generator(device="cpu").manual_seed(seed),
             ).images[0]
             info = PngInfo()
-            for key, value in self.reproduction(pipe, prompt, seed, guidance, step, steps,
+            guidance_record = {k: v for k, v in arguments.items() if k not in text}
+            for key, value in self.reproduction(pipe, prompt, seed, guidance_record, step, steps,
                                                 adapter.sampling.reproduction()).items():
                 info.add_text(key, str(value))
             path = self.folder / f"step_{step:09d}_{index}.png"

@@ -16,7 +16,7 @@ from toolkit.diffusion.snr import min_snr_weights
 from toolkit.diffusion.timestep_params import TimestepParams
 from toolkit.diffusion.timesteps import sample_timestep_u
 from toolkit.errors import UserError
-from toolkit.models.base import LatentDist, ModelAdapter, PromptEmbeds
+from toolkit.models.base import LatentDist, ModelAdapter, PromptEmbeds, join_padded
 from toolkit.train.losses import mse_loss, per_sample_loss, weighted_mean
 from toolkit.train.seeding import seeded_generator
 
@@ -152,8 +152,8 @@ def concat_embeds(embeds: PromptEmbeds, blank: PromptEmbeds | None, batch: int) 
         return tensor.expand(batch, *tensor.shape[1:]) if tensor is not None and tensor.shape[0] == 1 else tensor
 
     device = embeds.embeds.device
-    masks = [rows(p.attention_mask) for p in parts]  # host tensors (see PromptEmbeds)
-    mask = torch.cat(masks) if all(m is not None for m in masks) else None
+    # masks are host tensors (see PromptEmbeds); prompts of their own lengths are padded to the longest
+    joined, mask = join_padded([rows(p.embeds).to(device) for p in parts], [rows(p.attention_mask) for p in parts])
     pooled = [rows(p.pooled) for p in parts]
     pooled = torch.cat([p.to(device) for p in pooled]) if all(p is not None for p in pooled) else None
-    return PromptEmbeds(torch.cat([rows(p.embeds).to(device) for p in parts]), mask, pooled=pooled)
+    return PromptEmbeds(joined, mask, pooled=pooled)

@@ -1,0 +1,1 @@
+"""Qwen-Image (`arch: qwen_image`)."""

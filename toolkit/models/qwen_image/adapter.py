@@ -1,0 +1,389 @@
+"""Qwen-Image: QwenImageTransformer2DModel over 2x2-packed 16-channel latents, the Qwen2.5-VL text encoder behind a
+prompt template, AutoencoderKLQwenImage, rectified flow with a resolution-dependent shift.
+
+Conventions, as QwenImagePipeline.__call__ applies them:
+- prompts are wrapped in the pipeline's template, encoded by the language model (last hidden state), the template's
+  first 34 tokens dropped, padding dropped, then zero-padded to the batch's longest prompt with a mask (the mask is
+  left out when no prompt is padded);
+- the VAE encodes one-frame videos ([B, 3, 1, H, W]); latents = (sample - latents_mean) / latents_std per channel;
+- the transformer takes sigma (timestep / 1000) and predicts the flow velocity noise - latents, which the Euler step
+  integrates: x_next = x + (sigma_next - sigma) v;
+- guidance is true classifier-free guidance with a negative prompt (`true_cfg_scale`), no guidance embedding.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import AutoTokenizer, QuantoConfig, Qwen2_5_VLForConditionalGeneration
+
+from toolkit.device import memory_debug, safe_module_to_device, to_device
+from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
+from toolkit.models.base import (
+    LatentDist,
+    LoraFileFormat,
+    ModelAdapter,
+    PromptEmbeds,
+    SamplingParts,
+    TextRules,
+)
+from toolkit.models.common import (
+    dynamic_shift_schedule,
+    encoder_identity,
+    is_single_file,
+    vae_latents,
+)
+from toolkit.models.qwen_image.config import FACTS, QwenImageModelConfig
+from toolkit.models.qwen_image.tiny import ensure_tiny_qwen_image
+from toolkit.network.lora import merge_lora_state
+from toolkit.paths import normalize_path
+from toolkit.quantize import (
+    StreamedWeights,
+    keep_qfloat8_off_marlin,
+    keep_quantized_linear_dtypes_matched,
+    load_quantized,
+    quantize_blockwise,
+    weight_files,
+)
+
+#: where a single-file transformer's other parts and its config come from when `model.single_file_config` is not
+#: given
+DEFAULT_COMPONENTS = "Qwen/Qwen-Image"
+
+#: QwenImagePipeline's prompt template (`prompt_template_encode`) and the number of its leading tokens dropped from
+#: the embeddings (`prompt_template_encode_start_idx`); a test holds them equal to the pipeline's
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+                   "<|im_end|>\n<|im_start|>assistant\n")
+TEMPLATE_DROP = 34
+#: QwenImagePipeline's `tokenizer_max_length`: tokens after the template's prefix
+MAX_TOKENS = 1024
+
+#: the LoRA targets in each block: image and text attention, their output projections and both MLPs (the
+#: modulation linears `img_mod.1` / `txt_mod.1` stay out, as with FLUX.1)
+BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                 "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                 "txt_mlp.net.2")
+
+#: the transformer's token packing: 2x2 latent pixels per token
+PATCH_SIZE = 2
+
+#: config qtype -> transformers' QuantoConfig weights (the text encoder is quantized by transformers as it loads)
+TRANSFORMERS_QUANTO = {"qfloat8": "float8", "qint8": "int8", "qint4": "int4"}
+
+
+class QwenImageText(TextRules):
+    """The caption sits inside the template: after the dropped prefix, its tokens come first and the template's
+    tail (`<|im_end|>`, the assistant turn) last. Prompts keep their own length (batches pad to the longest)."""
+
+    variable_length = True
+
+    def caption_token_span(self, length: int) -> tuple[int, int]:
+        return 0, max(0, length - self._tail_tokens)
+
+    def overlong_prompts(self, prompts: list[str]) -> list[int]:
+        a = self.adapter
+        texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
+        lengths = [len(ids) - TEMPLATE_DROP for ids in a.tokenizer(texts, truncation=False).input_ids]
+        return [i for i, length in enumerate(lengths) if length > a.max_sequence_length]
+
+    @cached_property
+    def _tail_tokens(self) -> int:
+        return len(self.adapter.tokenizer(PROMPT_TEMPLATE.split("{}")[1]).input_ids)
+
+
+class QwenImageSampling(SamplingParts):
+    """QwenImagePipeline over the current components, fed the adapter's prompt embeddings (the text encoder leaves
+    before the transformer samples). Guidance is true CFG: `sample.guidance_scale` is the pipeline's
+    `true_cfg_scale` (4.0 by default, as the pipeline's), with `sample.neg` (or " " when empty, as Qwen-Image's own
+    example does) as the negative prompt; 1 or less samples without guidance."""
+
+    default_guidance_scale = 4.0
+
+    def pipeline(self) -> QwenImagePipeline:
+        a = self.adapter
+        return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(a.scheduler.config), vae=a.vae,
+                                 text_encoder=a.text_encoder, tokenizer=a.tokenizer, transformer=a.transformer)
+
+    def pipeline_arguments(self, text: dict, guidance: float) -> dict:
+        if guidance <= 1:  # the pipeline would warn that a negative prompt without guidance is unused
+            text = {k: v for k, v in text.items() if not k.startswith("negative")}
+        return {**text, "true_cfg_scale": guidance}
+
+    def reproduction(self) -> dict:
+        return {"max_sequence_length": self.adapter.max_sequence_length}
+
+    @torch.no_grad()
+    def conditioning(self, prompt: str, negative: str) -> dict[str, torch.Tensor]:
+        """Each prompt encoded alone, as the pipeline encodes positive and negative separately; the masks are
+        passed (all ones for one prompt) so that the pipeline does not warn about their absence."""
+        a = self.adapter
+        positive, negative_embeds = (a.encode_prompts([p]) for p in (prompt, negative or " "))
+        device = a.text_encoder.device
+
+        def mask(embeds: PromptEmbeds) -> torch.Tensor:
+            return to_device(embeds.attention_mask.long(), device)
+
+        return {"prompt_embeds": positive.embeds, "prompt_embeds_mask": mask(positive),
+                "negative_prompt_embeds": negative_embeds.embeds, "negative_prompt_embeds_mask": mask(negative_embeds)}
+
+
+class QwenImageAdapter(ModelAdapter):
+    arch = "qwen_image"
+    facts = FACTS
+    # prefix: QwenImageLoraLoaderMixin._lora_loadable_modules. ComfyUI's Qwen-Image model keeps diffusers' module
+    # paths, and its LoRA loader maps `diffusion_model.<path>` (kohya's lora_down/lora_up/alpha names); diffusers'
+    # QwenImagePipeline.load_lora_weights strips the same prefix and applies alpha / rank.
+    files = LoraFileFormat(prefix="transformer", comfy_prefix="diffusion_model", comfy_separator=".",
+                           kohya_base_model="qwen_image", modelspec_architecture="qwen-image/lora")
+    text_rules = QwenImageText
+    sampling_parts = QwenImageSampling
+
+    def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, source: str,
+                 max_sequence_length: int = MAX_TOKENS):
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.source = source
+        self.max_sequence_length = max_sequence_length
+        #: the dtype the transformer computes in (kept from loading: quantized weights may report another)
+        self.compute_dtype = transformer.dtype
+        self.noise_schedule = FlowMatchNoiseSchedule(scheduler.config.num_train_timesteps,
+                                                     dynamic_shift_schedule(scheduler.config), PATCH_SIZE)
+        self.vae_scale = 2 ** len(vae.temperal_downsample)
+        self.divisor = self.vae_scale * PATCH_SIZE
+        self._denoiser: torch.nn.Module = transformer
+        #: the VAE's per-channel latent mean and std per device, float32 [1, C, 1, 1]
+        self._latent_stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model_cfg: QwenImageModelConfig, device: torch.device, dtype: torch.dtype,
+             debug_memory: bool = False, sampling_models: bool = True) -> QwenImageAdapter:
+        """The transformer (read and quantized block by block onto the accelerator with `quantize`, so that it is
+        never whole in full precision), the text encoder (quantized by transformers as its weights load with
+        `quantize_te`), VAE, tokenizer and scheduler; then everything placed."""
+        source = cls.resolve_source(model_cfg.name_or_path)
+        single = is_single_file(source)
+        components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS,
+                                        "model.single_file_config") if single else source
+        kw = {"variant": None if single else model_cfg.variant, "revision": None if single else model_cfg.revision}
+        streamed = model_cfg.quantize and not model_cfg.assistant_lora_path
+        with memory_debug("transformer load" + (" and quantization" if streamed else ""), debug_memory):
+            if streamed:
+                transformer = cls.load_quantized_transformer(source, components, model_cfg.qtype, dtype, device, **kw)
+            else:
+                transformer = cls.load_transformer(source, components, dtype, **kw)
+        if model_cfg.assistant_lora_path:
+            with memory_debug("assistant LoRA load", debug_memory):
+                merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
+                                                                   "model.assistant_lora_path"))
+            if model_cfg.quantize:  # merged in full precision first, so this transformer was loaded whole
+                with memory_debug("transformer quantization", debug_memory):
+                    quantize_blockwise(transformer, model_cfg.qtype, list(transformer.transformer_blocks),
+                                       list(cls.QUANTIZATION_EXCLUDE), device)
+        with memory_debug("text encoder, VAE load", debug_memory):
+            parts = cls.load_components(components, dtype, model_cfg.qtype_te if model_cfg.quantize_te else None,
+                                        device, **kw)
+        adapter = cls(transformer, *parts, source=source, max_sequence_length=model_cfg.max_sequence_length)
+        adapter.compute_dtype = dtype
+        adapter.place(device, model_cfg.low_vram)
+        return adapter
+
+    @staticmethod
+    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
+        """A folder, hub id or file; `tiny` becomes the tiny preset's folder."""
+        name_or_path = normalize_path(name_or_path, key)
+        return str(ensure_tiny_qwen_image()) if name_or_path == "tiny" else name_or_path
+
+    @staticmethod
+    def load_transformer(source: str, components: str, dtype: torch.dtype, variant: str | None = None,
+                         revision: str | None = None) -> QwenImageTransformer2DModel:
+        """The full-precision transformer from a diffusers folder / hub id, or a single file in ComfyUI's layout
+        (diffusers' names already; the config from `components`)."""
+        if is_single_file(source):
+            if not Path(source).is_file():
+                raise FileNotFoundError(f"model file not found: {source}")
+            transformer = QwenImageTransformer2DModel.from_single_file(
+                source, config=components, subfolder="transformer", local_files_only=Path(components).is_dir(),
+                torch_dtype=dtype)
+        else:
+            transformer = QwenImageTransformer2DModel.from_pretrained(source, subfolder="transformer",
+                                                                      torch_dtype=dtype, variant=variant,
+                                                                      revision=revision)
+        transformer.requires_grad_(False)
+        return transformer.eval()
+
+    @classmethod
+    def load_quantized_transformer(cls, source: str, components: str, qtype: str, dtype: torch.dtype,
+                                   device: torch.device, variant: str | None = None,
+                                   revision: str | None = None) -> QwenImageTransformer2DModel:
+        """The transformer built empty from its config, then read and quantized one block at a time onto `device`
+        (toolkit.quantize.load_quantized)."""
+        from accelerate import init_empty_weights
+
+        config_folder = model_folder(components, "transformer", None if is_single_file(source) else revision)
+        with init_empty_weights():
+            transformer = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(config_folder))
+        if is_single_file(source):
+            if not Path(source).is_file():
+                raise FileNotFoundError(f"model file not found: {source}")
+            files, where = [Path(source)], source
+        else:
+            files, where = weight_files(config_folder, variant), str(config_folder)
+        weights = StreamedWeights(files, strip=("model.diffusion_model.", "diffusion_model."))
+        blocks = [f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
+        return load_quantized(transformer, weights, dtype, qtype, blocks, list(cls.QUANTIZATION_EXCLUDE), device,
+                              where)
+
+    @staticmethod
+    def load_components(source: str, dtype: torch.dtype, te_qtype: str | None, device: torch.device,
+                        variant: str | None = None, revision: str | None = None) -> tuple:
+        """Text encoder (quantized by transformers' quanto support as its weights load, when `te_qtype` is given:
+        onto the accelerator, so quantizing is fast there), tokenizer, VAE and scheduler."""
+        kw = {"variant": variant, "revision": revision}
+        quantized = {}
+        if te_qtype:
+            keep_qfloat8_off_marlin()
+            keep_quantized_linear_dtypes_matched()
+            quantized = {"quantization_config": QuantoConfig(weights=TRANSFORMERS_QUANTO[te_qtype])}
+            if device.type != "cpu":
+                quantized["device_map"] = {"": str(device)}
+        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(source, subfolder="text_encoder",
+                                                                          dtype=dtype, **quantized, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        vae = AutoencoderKLQwenImage.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
+        return vae, text_encoder, tokenizer, scheduler
+
+    #: fnmatch patterns over the transformer's module names that stay in full precision: the image and text input
+    #: projections, the text norm, the timestep embedding and the final norm and projection (small and
+    #: precision-sensitive). The blocks' modulation linears are quantized with their blocks.
+    QUANTIZATION_EXCLUDE = ("img_in", "txt_in", "txt_norm", "time_text_embed.*", "norm_out.*", "proj_out")
+
+    def place(self, device: torch.device, low_vram: bool) -> None:
+        """Freeze every part; the transformer on `device`, the text encoder and VAE too unless `low_vram`."""
+        encoders = (self.vae, self.text_encoder)
+        for module in (self.transformer, *encoders):
+            module.requires_grad_(False)
+            module.eval()
+        safe_module_to_device(self.transformer, device)
+        for module in encoders:
+            safe_module_to_device(module, "cpu" if low_vram else device)
+
+    @property
+    def device(self) -> torch.device:
+        # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
+        return next(self.transformer.parameters()).device
+
+    # ---- text ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """As QwenImagePipeline.encode_prompt: the templated prompts through the language model (its last hidden
+        state; the LM head is not run), the template's first 34 tokens and the padding dropped, cut at
+        `max_sequence_length`, zero-padded to the longest prompt with a mask."""
+        tokens = self.tokenizer([PROMPT_TEMPLATE.format(p) for p in prompts], max_length=MAX_TOKENS + TEMPLATE_DROP,
+                                padding=True, truncation=True, return_tensors="pt")
+        device = self.text_encoder.device
+        hidden = self.text_encoder.model(input_ids=to_device(tokens.input_ids, device),
+                                         attention_mask=to_device(tokens.attention_mask, device)).last_hidden_state
+        # the kept positions come from the host mask: indexing with a device mask would wait for the device
+        kept = [row.nonzero().squeeze(1)[TEMPLATE_DROP:][:self.max_sequence_length]
+                for row in tokens.attention_mask.bool()]
+        rows = [h.index_select(0, to_device(index, device)) for h, index in zip(hidden, kept)]
+        lengths = torch.tensor([len(index) for index in kept])
+        return PromptEmbeds.padded(rows, lengths)
+
+    def text_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.text_encoder]
+
+    # ---- images ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
+        """The VAE posterior of one-frame videos ([B, 3, 1, H, W], as the pipeline decodes), frame axis dropped."""
+        posterior = self.vae.encode(pixels.to(device=self.vae.device, dtype=self.vae.dtype).unsqueeze(2)).latent_dist
+        return LatentDist(posterior.mean.squeeze(2), posterior.std.squeeze(2))
+
+    def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
+        # the pipeline decodes latents * latents_std + latents_mean per channel: training latents are the inverse
+        mean, std = self.latent_stats(dist.mean.device)
+        return vae_latents(dist, generator, 1 / std, mean)
+
+    def latent_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._latent_stats:
+            config = self.vae.config
+            stats = (torch.tensor(config.latents_mean), torch.tensor(config.latents_std))
+            self._latent_stats[device] = tuple(to_device(s.float().view(1, -1, 1, 1), device) for s in stats)
+        return self._latent_stats[device]
+
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.vae]
+
+    def encoder_identity(self, part: str) -> str:
+        if part == "image":
+            return encoder_identity(self.arch, part, self.source, self.vae)
+        extra = f"{PROMPT_TEMPLATE}|{TEMPLATE_DROP}|{len(self.tokenizer)}|{self.max_sequence_length}"
+        return encoder_identity(self.arch, part, self.source, self.text_encoder, extra)
+
+    # ---- the denoiser ------------------------------------------------------------------------------
+
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+        """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32: packed as the pipeline packs,
+        sigma as the timestep, the prompt mask where a prompt is padded."""
+        denoiser = module if module is not None else self._denoiser
+        dtype, device = self.compute_dtype, noisy.device
+        batch, channels, height, width = noisy.shape
+        packed = QwenImagePipeline._pack_latents(noisy.to(dtype), batch, channels, height, width)
+        mask = embeds.attention_mask
+        mask = None if mask is None or bool(mask.all()) else to_device(mask, device)  # a host tensor: no wait
+        sigma = timesteps.float() / self.noise_schedule.num_train_timesteps
+        out = denoiser(hidden_states=packed, timestep=sigma.to(device, dtype), encoder_hidden_states=embeds.embeds.to(dtype),
+                       encoder_hidden_states_mask=mask, img_shapes=[[(1, height // 2, width // 2)]] * batch,
+                       return_dict=False)[0]
+        unpacked = QwenImagePipeline._unpack_latents(out, height * self.vae_scale, width * self.vae_scale,
+                                                     self.vae_scale)
+        return unpacked.squeeze(2).float()
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.transformer
+
+    def lora_target_modules(self) -> list[str]:
+        return list(BLOCK_TARGETS)
+
+    def use_for_training(self, module: torch.nn.Module) -> None:
+        self._denoiser = module
+
+    def describe(self) -> dict[str, str]:
+        return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}
+
+
+def model_folder(source: str, subfolder: str, revision: str | None) -> Path:
+    """A diffusers folder's (or hub repo's, from the local hub cache or downloaded) `subfolder`."""
+    if Path(source).is_dir():
+        return Path(source) / subfolder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, allow_patterns=[f"{subfolder}/*"], revision=revision)) / subfolder
+
+
+def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
+    """Merge an assistant LoRA file (e.g. a Lightning adapter; any form QwenImagePipeline's loader reads) into the
+    training transformer."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
+    state, metadata = QwenImagePipeline.lora_state_dict(path, return_lora_metadata=True)
+    merge_lora_state(transformer, state, QwenImageAdapter.files.prefix, metadata)
