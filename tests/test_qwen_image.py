@@ -4,6 +4,8 @@ own lengths, LoRA targets, block-by-block quantized loading, sampling arguments 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -158,15 +160,29 @@ def test_dynamic_shift_is_the_pipelines_calculate_shift(adapter):
     assert torch.allclose(shift_u(torch.tensor(u), shift).float(), scheduler.sigmas[:-1], atol=1e-6)
 
 
-def test_lora_targets_are_every_blocks_attention_and_mlps(adapter):
+def test_lora_targets_are_the_blocks_attention_and_mlps_that_reach_the_output(adapter):
+    """Every target is a Linear and gets a gradient (DDP stops on one that does not): the last block's text-only
+    path (its text queries, text output projection and text MLP) is left out, since its text output is unused."""
+    from peft import LoraConfig, inject_adapter_in_model
+
     targets = adapter.lora_target_modules()
     modules = dict(adapter.transformer.named_modules())
-    # peft's rule for `target_modules` names: the module's name or a dotted ending of it
-    targeted = [n for n in modules if any(n == t or n.endswith("." + t) for t in targets)]
-    assert all(isinstance(modules[n], torch.nn.Linear) for n in targeted)
-    assert len(targeted) == 2 * 12
-    assert "transformer_blocks.1.txt_mlp.net.2" in targeted and "proj_out" not in targeted
-    assert not any(n.endswith(("img_mod.1", "txt_mod.1")) for n in targeted)
+    assert all(isinstance(modules[n], torch.nn.Linear) for n in targets)
+    assert len(targets) == 2 * 12 - 4
+    assert "transformer_blocks.0.txt_mlp.net.2" in targets and "transformer_blocks.1.txt_mlp.net.2" not in targets
+    assert "transformer_blocks.1.attn.add_k_proj" in targets  # the image attends to the last block's text keys
+    assert not any(n.endswith(("img_mod.1", "txt_mod.1")) for n in targets)
+    transformer = copy.deepcopy(adapter.transformer)
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=targets + ["transformer_blocks.1.txt_mlp.net.2"]),
+                            transformer)
+    for name, param in transformer.named_parameters():
+        param.requires_grad_("lora_B" in name)
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)
+    embeds = adapter.encode_prompts(PROMPTS[:1])
+    adapter.predict(torch.randn(1, 16, 4, 4), torch.tensor([500.0]), embeds, module=transformer).square().mean().backward()
+    no_grad = {n.rsplit(".lora_B", 1)[0] for n, p in transformer.named_parameters() if p.requires_grad and p.grad is None}
+    assert no_grad == {"transformer_blocks.1.txt_mlp.net.2"}  # the check sees a dead target; the defaults have none
 
 
 def test_quantized_loading_reads_block_by_block_and_keeps_the_edges(tiny_cache, adapter, monkeypatch):

@@ -245,6 +245,9 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
     weights_type = quanto_qtype(qtype)
     keep_qfloat8_off_marlin()
     keep_quantized_linear_dtypes_matched()
+    device = torch.device(device)
+    if device.type == "cpu":  # `cpu:0` (a multi-process CPU run's device) would make accelerate copy each Parameter
+        device = torch.device("cpu")  # into a plain tensor
     expected = set(empty_model.state_dict())
     missing = sorted(expected - set(weights.location))
     unexpected = sorted(set(weights.location) - expected)

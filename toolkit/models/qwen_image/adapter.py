@@ -73,6 +73,11 @@ BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.a
                  "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
                  "txt_mlp.net.2")
 
+#: what the last block does for the text stream alone: its text output is not used after it (only the image stream
+#: reaches the final layer), so LoRA weights there would get no gradient (and multi-process training would stop on
+#: them)
+LAST_BLOCK_TEXT_ONLY = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
 #: the transformer's token packing: 2x2 latent pixels per token
 PATCH_SIZE = 2
 
@@ -362,13 +367,21 @@ class QwenImageAdapter(ModelAdapter):
         return self.transformer
 
     def lora_target_modules(self) -> list[str]:
-        return list(BLOCK_TARGETS)
+        return qwen_lora_targets(len(self.transformer.transformer_blocks))
 
     def use_for_training(self, module: torch.nn.Module) -> None:
         self._denoiser = module
 
     def describe(self) -> dict[str, str]:
         return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type}
+
+
+def qwen_lora_targets(blocks: int) -> list[str]:
+    """Full module names of the default LoRA targets: `BLOCK_TARGETS` in every block, less what only the last
+    block's text stream uses."""
+    last = blocks - 1
+    return [f"transformer_blocks.{index}.{target}" for index in range(blocks) for target in BLOCK_TARGETS
+            if not (index == last and target in LAST_BLOCK_TEXT_ONLY)]
 
 
 def model_folder(source: str, subfolder: str, revision: str | None) -> Path:

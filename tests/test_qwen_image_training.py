@@ -1,0 +1,149 @@
+"""Qwen-Image end to end on the tiny preset, through the real job path: a qint8 base read block by block with a
+quantized text encoder and both caches, whose LoRA loads in QwenImagePipeline in both file forms; exact resume with
+both caches; two processes on a quantized base."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from helpers import held_out_loss, launch, make_image, trainer_process, write_job
+from instrumented_run import interrupt_after
+from optimum.quanto import QModuleMixin
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import run
+from jobs.job import get_job
+from toolkit.config.loader import load_config
+from toolkit.config.schema import DatasetConfig
+from toolkit.data.dataset import build_dataset, load_pixels
+from toolkit.run.metrics import read_metrics
+
+
+def qwen_data(folder):
+    """Three square and three wide images (buckets 64x64 and 96x48 at resolution 64, divisor 16), with captions
+    of different token lengths."""
+    if not folder.exists():
+        for i in range(3):
+            make_image(folder / f"square_{i}.png", (64, 64), color=(40 + 60 * i, 200 - 50 * i, 90),
+                       caption="blob " + "very " * i + "round")
+            make_image(folder / f"wide_{i}.png", (96, 48), color=(200, 30 + 60 * i, 50 * i), caption=f"stripe {i}")
+    return folder
+
+
+def qwen_process(tmp_path, **overrides) -> dict:
+    base = trainer_process(tmp_path, model={"arch": "qwen_image", "name_or_path": "tiny"},
+                           datasets=[{"folder_path": str(qwen_data(tmp_path / "data")), "resolution": [64]}],
+                           train={"batch_size": 2, "steps": 4, "lr": 1e-3, "dtype": "fp32", "seed": 42,
+                                  "timestep_type": "shift", "timestep_params": {"dynamic_shift": True}})
+    for key, value in overrides.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return base
+
+
+def square_batch(folder, divisor):
+    dataset = build_dataset([DatasetConfig(folder_path=str(folder), resolution=[64])], "shp", divisor)
+    square = [item for item in dataset.items if item.bucket == (64, 64)]
+    return torch.stack([load_pixels(item) for item in square]), [item.record.caption for item in square]
+
+
+def render(pipe) -> np.ndarray:
+    return pipe("shp, a blob", num_inference_steps=2, true_cfg_scale=1.0, width=64, height=64, output_type="np",
+                generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.mark.slow
+def test_quantized_base_and_text_encoder_with_both_caches_and_its_lora_in_the_pipeline(tmp_path, registry, tiny_cache):
+    """24 GB settings in miniature (block-by-block qint8 transformer, qint8 text encoder, both caches, gradient
+    checkpointing, samples with true CFG): finite losses, the held-out loss falls, and the LoRA loads in
+    QwenImagePipeline in both forms alike (1e-5), changing its output and lowering its held-out loss."""
+    process = qwen_process(tmp_path, model={"quantize": True, "qtype": "qint8", "quantize_te": True,
+                                            "qtype_te": "qint8"},
+                           network={"linear": 4, "linear_alpha": 8},
+                           train={"steps": 30, "lr": 3e-3, "cache_text_embeddings": True,
+                                  "gradient_checkpointing": True},
+                           save={"formats": ["diffusers"]},
+                           sample={"prompts": ["shp, a blob"], "neg": "blurry", "width": 64, "height": 64,
+                                   "sample_steps": 2})
+    process["datasets"][0]["cache_latents"] = True
+    config, path = load_config(str(write_job(tmp_path / "q.yaml", "q", process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    trainer, run_dir = job.processes[0], tmp_path / "output" / "q"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert len(records) == 30 and all(np.isfinite(r["loss"]) for r in records)
+    adapter = trainer.adapter
+    assert isinstance(adapter.transformer.get_submodule("transformer_blocks.0.attn.to_q").base_layer, QModuleMixin)
+    assert any(isinstance(m, QModuleMixin) for m in adapter.text_encoder.modules())
+    pixels, captions = square_batch(tmp_path / "data", adapter.divisor)
+    transformer = adapter.transformer
+    transformer.eval()
+    after = held_out_loss(adapter, transformer, pixels, captions)
+    transformer.disable_adapters()
+    before = held_out_loss(adapter, transformer, pixels, captions)
+    transformer.enable_adapters()
+    assert after < before * 0.97, (before, after)
+    text = Image.open(run_dir / "samples" / "step_000000030_0.png").text
+    assert (text["pipeline"], text["true_cfg_scale"], text["negative_prompt"]) == ("QwenImagePipeline", "4.0", "blurry")
+    assert "guidance_scale" not in text and text["max_sequence_length"] == "1024"
+
+    with safe_open(str(run_dir / "q.safetensors"), "pt") as handle:
+        keys, header = list(handle.keys()), handle.metadata()
+    assert "diffusion_model.transformer_blocks.0.attn.add_q_proj.lora_down.weight" in keys
+    assert "diffusion_model.transformer_blocks.0.txt_mlp.net.2.alpha" in keys
+    assert all(k.startswith("diffusion_model.") for k in keys)
+    assert header["modelspec.architecture"] == "qwen-image/lora" and header["ss_base_model_version"] == "qwen_image"
+    pipes = {}
+    for name in (None, "q.safetensors", "q.diffusers.safetensors"):
+        pipe = QwenImagePipeline.from_pretrained(adapter.source)
+        pipe.set_progress_bar_config(disable=True)
+        if name:
+            pipe.load_lora_weights(str(run_dir), weight_name=name)
+        pipes[name] = pipe
+    base, primary, diffusers_form = (render(p) for p in pipes.values())
+    assert abs(primary - base).max() > 1e-3 and abs(primary - diffusers_form).max() < 1e-5
+    full_before = held_out_loss(adapter, pipes[None].transformer, pixels, captions)
+    full_after = held_out_loss(adapter, pipes["q.safetensors"].transformer, pixels, captions)
+    assert full_after < full_before * 0.97, (full_before, full_after)
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_rerun_continue_exactly_with_both_caches(tmp_path, tiny_cache):
+    """Cached text entries hold each caption's own tokens; batches of captions of different lengths are padded
+    when put together, identically before and after the resume."""
+    process = qwen_process(tmp_path, network={"linear": 4, "linear_alpha": 4, "dropout": 0.1},
+                           train={"steps": 6, "gradient_accumulation": 2, "lr_scheduler": "linear",
+                                  "cache_text_embeddings": True},
+                           save={"save_every": 2, "max_step_saves_to_keep": 3})
+    process["datasets"][0].update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"),
+                                  caption_dropout_rate=0.2)
+    assert run.main([str(write_job(tmp_path / "a.yaml", "straight", process))]) == 0
+    stopped = write_job(tmp_path / "b.yaml", "resumed", process)
+    with interrupt_after(3):
+        assert run.main([str(stopped)]) == 0
+    assert run.main([str(stopped)]) == 0
+    straight, resumed = (tmp_path / "output" / name for name in ("straight", "resumed"))
+    assert [(r["step"], r["loss"], r["lr"]) for r in read_metrics(resumed / "metrics.jsonl")] == \
+        [(r["step"], r["loss"], r["lr"]) for r in read_metrics(straight / "metrics.jsonl")]
+    ours, theirs = load_file(str(resumed / "resumed.safetensors")), load_file(str(straight / "straight.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    entry_lengths = {load_file(str(p))["embeds"].shape[0] for p in (tmp_path / "cache").rglob("*.safetensors")
+                     if "embeds" in load_file(str(p))}
+    assert len(entry_lengths) > 1  # entries keep their captions' own lengths
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_train_on_a_quantized_base(tmp_path, tiny_cache):
+    process = qwen_process(tmp_path, model={"quantize": True, "qtype": "qint8"},
+                           train={"steps": 3, "cache_text_embeddings": True, "lr_scheduler": "linear"})
+    process["datasets"][0]["cache_latents"] = True
+    result = launch(write_job(tmp_path / "job.yaml", "two", process), 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
+    assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
+    # the LR is a function of the update index, whatever the process count
+    assert [r["lr"] for r in records] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])
