@@ -1,22 +1,23 @@
 """Full-size speed and memory on a CUDA machine: random-init models with the real architectures, trained for a
 few dozen updates through difftune's real job path, so the figures compare with published ones.
 
-    python -m benchmarks.full_size                          # SD 1.5 at 512 px; SDXL, Z-Image, FLUX.1 at 1024 px
+    python -m benchmarks.full_size                          # SD 1.5 at 512 px; SDXL, Z-Image, FLUX.1, Qwen-Image
+                                                            # (qfloat8 and qint4) at 1024 px
     python -m benchmarks.full_size --models zimage --updates 40 --json zimage.json
     python -m benchmarks.full_size --size tiny --device cpu # the same path on the tiny presets (a smoke test)
 
 Per model it builds a diffusers folder on the device (random weights: no download, nothing to license), writes
 a few synthetic images with captions, runs one job (latent and text-embedding caches, batch 1, LoRA, gradient
-checkpointing, bf16, AdamW 8-bit; Z-Image with its transformer quantized to qfloat8) and prints:
+checkpointing, bf16, AdamW 8-bit; Z-Image, FLUX.1 and Qwen-Image with the transformer quantized) and prints:
 - s/update: the median over metrics lines (one per `LOG_EVERY` updates, each the mean of its updates, so the
   loop runs as it does for users, reading values back only on logged updates) after the first line;
 - peak accelerator memory while training (the peak counter is reset when the loop starts) and over the whole
   run (model load and caching included);
 - wall seconds of each phase: building the random model, the job's set-up, the training loop, the final saves.
 
-Z-Image's text encoder keeps Qwen3-4B's width (the transformer's caption input) but only a few of its layers:
-it runs only while the text embeddings are cached, so training figures do not depend on its depth, and the
-whole script stays within ten minutes on one H100/H200-class GPU.
+Z-Image's and Qwen-Image's text encoders keep their real width (the transformer's caption input) but only a few
+of their layers: they run only while the text embeddings are cached, so training figures do not depend on their
+depth. Each model's folder is deleted once no later run uses it (Qwen-Image's takes about 41 GB of disk).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -140,9 +142,33 @@ ZIMAGE_FULL = {
 }
 
 
+#: Qwen-Image's 20B transformer (diffusers' defaults are Qwen/Qwen-Image's config), its VAE (the class defaults are
+#: the released config), a Qwen2.5-VL-7B-wide text encoder with 4 of its 28 layers and a one-block vision tower (see
+#: the module docstring), and the released scheduler
+QWEN_IMAGE_FULL = {
+    "transformer": dict(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+        joint_attention_dim=3584, axes_dims_rope=[16, 56, 56],
+    ),
+    "text_encoder": {
+        "text_config": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=4, num_attention_heads=28,
+                            num_key_value_heads=4, max_position_embeddings=128000, rope_theta=1000000.0,
+                            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        "vision_config": dict(depth=1, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                              fullatt_block_indexes=[0]),
+    },
+    "vae": dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]),
+    "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                  "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
+                  "time_shift_type": "exponential"},
+    "seed": 0,
+}
+
+
 def presets(size: str) -> dict[str, dict]:
     """Per model: its preset, the builder, the training resolution and the model keys of the job."""
     from toolkit.models.flux.tiny import TINY_FLUX_DEV, build_flux
+    from toolkit.models.qwen_image.tiny import TINY_QWEN_IMAGE, build_qwen_image
     from toolkit.models.sd15.tiny import TINY_SD15, build_sd15
     from toolkit.models.sdxl.tiny import TINY_SDXL, build_sdxl
     from toolkit.models.zimage.tiny import TINY_ZIMAGE, build_zimage
@@ -159,6 +185,13 @@ def presets(size: str) -> dict[str, dict]:
         "flux": {"preset": FLUX_FULL if full else TINY_FLUX_DEV, "build": build_flux,
                  "resolution": 1024 if full else 64,
                  "model": {"arch": "flux", "quantize": True, "qtype": "qfloat8"}},
+        # one random Qwen-Image folder (about 41 GB in bf16) serves both quantized runs
+        "qwen_image": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
+                       "resolution": 1024 if full else 64, "folder": "qwen_image",
+                       "model": {"arch": "qwen_image", "quantize": True, "qtype": "qfloat8"}},
+        "qwen_image_qint4": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
+                             "resolution": 1024 if full else 64, "folder": "qwen_image",
+                             "model": {"arch": "qwen_image", "quantize": True, "qtype": "qint4"}},
     }
 
 
@@ -252,11 +285,13 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
     from toolkit.run.metrics import read_metrics
 
     folder = scratch / name
+    model = scratch / spec.get("folder", name) / "model"
     result: dict = {"resolution": spec["resolution"], "updates": args.updates, "rank": args.rank,
                     "size": args.size, "compile": args.compile}
     started = time.perf_counter()
-    with built_on(args.device):
-        spec["build"](folder / "model", spec["preset"])
+    if not model.is_dir():  # another run may share this model (`folder`)
+        with built_on(args.device):
+            spec["build"](model, spec["preset"])
     result["build_s"] = time.perf_counter() - started
     gc.collect()
     if torch.cuda.is_available():
@@ -265,7 +300,7 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    loop, trainer = run_job(job_file(folder, name, folder / "model", spec, args))
+    loop, trainer = run_job(job_file(folder, name, model, spec, args))
     ended = time.perf_counter()
     result["setup_s"] = loop["started"] - started
     result["loop_s"] = loop["ended"] - loop["started"]
@@ -298,8 +333,8 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["sd15", "sdxl", "zimage", "flux"],
-                        choices=["sd15", "sdxl", "zimage", "flux"])
+    names = ["sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4"]
+    parser.add_argument("--models", nargs="+", default=names, choices=names)
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--updates", type=int, default=30)
@@ -323,8 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"machine": machine(), "models": {}}
     specs = presets(args.size)
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
-        for name in args.models:
+        for index, name in enumerate(args.models):
             results["models"][name] = measure_model(name, specs[name], args, Path(scratch))
+            # the big models take tens of GB of disk each: a model folder goes once no later run uses it
+            later = {specs[n].get("folder", n) for n in args.models[index + 1:]}
+            for folder in Path(scratch).iterdir():
+                if folder.name not in later:
+                    shutil.rmtree(folder, ignore_errors=True)
             print(table({"models": {name: results["models"][name]}}), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -6,17 +6,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import FluxPipeline, FluxTransformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel
+from diffusers import (
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+    UNet2DConditionModel,
+    ZImageTransformer2DModel,
+)
 from diffusers.loaders.lora_conversion_utils import (
     _convert_non_diffusers_lora_to_diffusers,
+    _convert_non_diffusers_qwen_lora_to_diffusers,
     _convert_non_diffusers_z_image_lora_to_diffusers,
     _maybe_map_sgm_blocks_to_diffusers,
 )
 from diffusers.utils import convert_unet_state_dict_to_peft
 
-from benchmarks.full_size import FLUX_FULL, SD15_FULL, SDXL_FULL, ZIMAGE_FULL
+from benchmarks.full_size import FLUX_FULL, QWEN_IMAGE_FULL, SD15_FULL, SDXL_FULL, ZIMAGE_FULL
 from toolkit.config.sections import NetworkConfig
 from toolkit.models.flux.adapter import flux_lora_targets
+from toolkit.models.qwen_image.adapter import qwen_lora_targets
 from toolkit.models.registry import get_adapter_class
 from toolkit.network.files import comfy_ready, layout_renames, module_names
 from toolkit.network.formats import to_comfy
@@ -29,7 +38,18 @@ def full_size(arch: str) -> torch.nn.Module:
             return UNet2DConditionModel(**{"sd15": SD15_FULL, "sdxl": SDXL_FULL}[arch]["unet"])
         if arch == "flux":
             return FluxTransformer2DModel(**FLUX_FULL["transformer"])
+        if arch == "qwen_image":
+            return QwenImageTransformer2DModel(**QWEN_IMAGE_FULL["transformer"])
         return ZImageTransformer2DModel(**ZIMAGE_FULL["transformer"])
+
+
+def default_targets(arch: str, module: torch.nn.Module, family) -> list[str]:
+    """The family's default LoRA targets for this module (FLUX.1's and Qwen-Image's depend on its block count)."""
+    if arch == "flux":
+        return flux_lora_targets(module)
+    if arch == "qwen_image":
+        return qwen_lora_targets(len(module.transformer_blocks))
+    return family.lora_target_modules(None)
 
 
 def primary_state(arch: str, network: NetworkConfig) -> tuple[torch.nn.Module, dict[str, torch.Tensor], list[str]]:
@@ -38,7 +58,7 @@ def primary_state(arch: str, network: NetworkConfig) -> tuple[torch.nn.Module, d
     family = get_adapter_class(arch)
     module = full_size(arch)
     module.requires_grad_(False)
-    targets = flux_lora_targets(module) if arch == "flux" else family.lora_target_modules(None)
+    targets = default_targets(arch, module, family)
     add_lora(module, network, targets, family.conv_target_modules(None))
     for layer in adapter_layers(module).values():
         for part in ("lora_A", "lora_B"):
@@ -143,6 +163,38 @@ def test_flux_primary_names_are_the_diffusers_paths_for_the_full_size_transforme
     assert {float(alpha) for alpha in alphas.values()} == {2.0} and len(alphas) == len(adapted)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux"])
+def test_qwen_image_primary_names_are_comfyuis_for_the_full_size_transformer():
+    """ComfyUI's Qwen-Image model keeps diffusers' module paths and maps LoRAs by `diffusion_model.<path>`
+    (lora_down / lora_up / alpha); QwenImagePipeline's converter reads the same names back. On the full-size 20B
+    transformer: 60 blocks x 12 targets, less the last block's 4 text-only ones."""
+    network = NetworkConfig(linear=16, linear_alpha=16)
+    module, state, adapted = primary_state("qwen_image", network)
+    assert len(adapted) == 60 * 12 - 4
+    named = modules_named(state)
+    assert named == {f"diffusion_model.{path}" for path in adapted}
+    for name in ("diffusion_model.transformer_blocks.0.attn.add_q_proj", "diffusion_model.transformer_blocks.59.img_mlp.net.2",
+                 "diffusion_model.transformer_blocks.58.txt_mlp.net.0.proj"):
+        assert name in named, name
+    assert all(key.endswith((".lora_down.weight", ".lora_up.weight", ".alpha")) for key in state)
+    converted = _convert_non_diffusers_qwen_lora_to_diffusers(dict(state))
+    back = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in converted}
+    assert back == set(adapted)
+    weights = QwenImagePipeline.lora_state_dict(dict(state))
+    assert {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in weights} == set(adapted)
+    names = dict(module.named_modules())
+    assert all(path in names for path in back)
+
+
+def test_the_full_size_qwen_image_text_encoder_feeds_the_transformer():
+    """The benchmark's Qwen2.5-VL-7B-wide text encoder builds (on the meta device) and its width is the
+    transformer's text input."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    with torch.device("meta"):
+        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN_IMAGE_FULL["text_encoder"]))
+    assert encoder.config.text_config.hidden_size == QWEN_IMAGE_FULL["transformer"]["joint_attention_dim"] == 3584
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux", "qwen_image"])
 def test_the_primary_form_is_the_comfy_form_for_these_families(arch):
     assert get_adapter_class(arch).files.primary == "comfy"

@@ -8,7 +8,12 @@ import logging
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel
+from diffusers import (
+    FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
+    UNet2DConditionModel,
+    ZImageTransformer2DModel,
+)
 from helpers import trainer_process, write_job
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -19,6 +24,7 @@ from toolkit.config.loader import load_config
 from toolkit.config.schema import NetworkConfig
 from toolkit.errors import UserError
 from toolkit.models.flux.adapter import FluxAdapter, flux_lora_targets
+from toolkit.models.qwen_image.adapter import QwenImageAdapter, qwen_lora_targets
 from toolkit.models.sd15.adapter import SD15Adapter
 from toolkit.models.zimage.adapter import ZImageAdapter
 from toolkit.network.files import ComponentNaming, convert_file, load_pretrained
@@ -35,7 +41,15 @@ FAMILIES = {
     "sd15": (SD15Adapter, lambda: UNet2DConditionModel.from_pretrained(sd15_folder(), subfolder="unet")),
     "zimage": (ZImageAdapter, lambda: ZImageTransformer2DModel.from_pretrained(zimage_folder(), subfolder="transformer")),
     "flux": (FluxAdapter, lambda: FluxTransformer2DModel.from_pretrained(flux_folder(), subfolder="transformer")),
+    "qwen_image": (QwenImageAdapter, lambda: QwenImageTransformer2DModel.from_pretrained(qwen_image_folder(),
+                                                                                        subfolder="transformer")),
 }
+
+
+def qwen_image_folder():
+    from toolkit.models.qwen_image.tiny import ensure_tiny_qwen_image
+
+    return ensure_tiny_qwen_image()
 
 
 def flux_folder():
@@ -61,7 +75,10 @@ def adapted(arch: str, network: NetworkConfig, seed: int | None = 0):
     factor is zero and deltas are informative)."""
     family, build = FAMILIES[arch]
     module = build()
-    targets = flux_lora_targets(module) if arch == "flux" else family.lora_target_modules(None)
+    if arch in ("flux", "qwen_image"):  # targets by block count
+        targets = flux_lora_targets(module) if arch == "flux" else qwen_lora_targets(len(module.transformer_blocks))
+    else:
+        targets = family.lora_target_modules(None)
     params = add_lora(module, network, targets, family.conv_target_modules(None))
     if seed is not None:
         generator = torch.Generator().manual_seed(seed)
@@ -77,7 +94,7 @@ def assert_same_deltas(expected: dict, found: dict) -> None:
         torch.testing.assert_close(found[name], expected[name], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "zimage", "flux"])
+@pytest.mark.parametrize("arch", ["sd15", "zimage", "flux", "qwen_image"])
 @pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
 def test_diffusers_comfy_diffusers_round_trip_keeps_every_delta(arch, kind, tmp_path, tiny_cache):
     """alpha 3 at rank 4: the diffusers file, its ComfyUI form, and that converted back all load (into a config
