@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Iterable
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
@@ -16,9 +17,12 @@ from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
 from optimum.quanto.nn import QModuleMixin
 from safetensors import safe_open
 
-from toolkit.device import safe_module_to_device
+from toolkit.device import safe_module_to_device, trim_host_heap
 
 QTYPES = {"qfloat8": qfloat8, "qint8": qint8, "qint4": qint4}
+
+#: the layers quanto quantizes for weights only (it quantizes LayerNorm only with activations)
+QUANTIZABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
 
 def keep_qfloat8_off_marlin() -> None:
@@ -132,6 +136,7 @@ def quantize_blockwise(
         # Freezing right away replaces the float weights by quantized ones, so they are freed before the
         # next block arrives.
         freeze(model.get_submodule(name))
+        trim_host_heap()
     done = [pattern for name in names for pattern in subtree_patterns(name)]
     quantize(model, weights=weights, exclude=exclude + done)
     freeze_new(model)
@@ -225,21 +230,23 @@ class StreamedWeights:
             with safe_open(str(path), "pt") as handle:
                 for name in in_file:
                     tensor = handle.get_tensor(self.location[name][1])
-                    tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
-                    tensors[name] = tensor.to(device)
+                    # a copy, even where dtype and device already match: a tensor kept as read would keep the
+                    # whole file mapped, and every page of it read so far resident
+                    tensors[name] = tensor.to(device, dtype if tensor.is_floating_point() else None, copy=True)
         return tensors
 
 
 def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype: torch.dtype, qtype: str,
                    blocks: list[str], exclude: list[str], device: torch.device | str, source: str) -> torch.nn.Module:
-    """Fill `empty_model` (built on the meta device) from `weights` and quantize it, one block at a time: each
-    block's tensors are read in `dtype` straight onto `device`, quantized and frozen there before the next block
-    is read, so neither host nor accelerator ever holds more than the quantized model plus one full-precision block.
+    """Fill `empty_model` (built on the meta device) from `weights` and quantize it, block by block and within a
+    block layer by layer: each layer's tensors are read in `dtype` straight onto `device` and quantized and frozen
+    there before the next layer is read, so neither host nor accelerator ever holds more than the quantized model
+    plus one full-precision layer (and the quantizer's temporaries for it).
 
     diffusers' own quanto loading (`QuantoConfig`) reads a whole weight shard (about 5 GB for the big DiTs) into
-    host memory first and quantizes where the tensors land; this keeps peak memory at one block and quantizes on
+    host memory first and quantizes where the tensors land; this keeps peak memory at one layer and quantizes on
     the accelerator. `blocks` are module names; the rest of the model (embedders, final layers, norms) is read
-    last, with `exclude` (fnmatch patterns) kept in full precision."""
+    last, with `exclude` (fnmatch patterns over module names) kept in full precision."""
     from accelerate.utils import set_module_tensor_to_device
 
     weights_type = quanto_qtype(qtype)
@@ -255,18 +262,24 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
         detail = (f"missing {len(missing)} tensors (e.g. {missing[0]})" if missing else
                   f"{len(unexpected)} tensors the model does not have (e.g. {unexpected[0]})")
         raise ValueError(f"{source}: the weights do not fit {type(empty_model).__name__}'s config: {detail}")
+    done: set[str] = set()
 
     def fill(names: list[str]) -> None:
         for name, tensor in weights.read(names, dtype, device).items():
             set_module_tensor_to_device(empty_model, name, device, value=tensor, dtype=tensor.dtype)
-
-    done: set[str] = set()
-    for block in blocks:
-        names = sorted(n for n in expected if n.startswith(block + "."))
-        fill(names)
         done.update(names)
-        quantize(empty_model, weights=weights_type, include=subtree_patterns(block), exclude=exclude)
-        freeze(empty_model.get_submodule(block))
+
+    for block in blocks:
+        block_module = empty_model.get_submodule(block)
+        for name, layer in list(block_module.named_modules()):
+            full = f"{block}.{name}"
+            if not isinstance(layer, QUANTIZABLE) or any(fnmatch(full, pattern) for pattern in exclude):
+                continue
+            fill(sorted(n for n in expected if n.rpartition(".")[0] == full))
+            quantize(block_module, weights=weights_type, include=[glob.escape(name)])
+            freeze(block_module.get_submodule(name))
+            trim_host_heap()  # the layer's full-precision tensors and the quantizer's temporaries
+        fill(sorted(n for n in expected - done if n.startswith(block + ".")))  # norms, unquantized layers
     fill(sorted(expected - done))
     quantize(empty_model, weights=weights_type, exclude=exclude + [p for b in blocks for p in subtree_patterns(b)])
     freeze_new(empty_model)
