@@ -78,6 +78,21 @@ def test_a_user_error_is_one_message_without_a_traceback(tmp_path, caplog, monke
     assert any(r.exc_info for r in caplog.records)
 
 
+@pytest.mark.parametrize("launch_setting, name", [("ACCELERATE_USE_FSDP", "FSDP"),
+                                                  ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+def test_a_sharded_launch_is_refused_before_any_model_loads(tmp_path, caplog, monkeypatch, launch_setting, name):
+    """accelerate's FSDP or DeepSpeed launch (on the CPU accelerate would quietly run plain multi-process instead):
+    one message naming it and what to do, before the model loads (no checkpoint, no metrics)."""
+    monkeypatch.setenv(launch_setting, "true")
+    path = write_job(tmp_path / "job.yaml", "sharded", trainer_process(tmp_path, model={"arch": "qwen_image",
+                                                                                      "name_or_path": "missing"}))
+    assert run.main([str(path)]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(f"this launch asks for {name}, which difftune does not support" in e and "--multi_gpu" in e
+               and "model.quantize" in e for e in errors), errors
+    assert not (tmp_path / "output" / "sharded" / "checkpoints").exists()
+
+
 def test_every_job_file_is_checked_before_the_first_one_trains(tmp_path, caplog):
     """A typo in the second file fails the command before the first file's job starts."""
     good = write_job(tmp_path / "good.yaml", "good", trainer_process(tmp_path, train={"steps": 1}))

@@ -55,12 +55,32 @@ def host_process_group(processes: int):
     return torch.distributed.new_group(backend="gloo")
 
 
+#: accelerate's launch settings for the sharding back ends (`accelerate launch --use_fsdp`, or `distributed_type: FSDP`
+#: / `DEEPSPEED` in its config file)
+SHARDING_LAUNCHES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
+
+
+def refuse_sharded_launch() -> None:
+    """difftune trains with DDP only: each process holds the frozen base (quantized where asked) and the LoRA is
+    the only thing synchronised. A launch asking for FSDP or DeepSpeed is refused before anything loads, rather
+    than trained some other way than asked (on the CPU accelerate even turns FSDP into plain multi-process)."""
+    asked = [name for key, name in SHARDING_LAUNCHES.items() if os.environ.get(key, "").lower() in ("1", "true")]
+    if asked:
+        raise UserError(
+            f"this launch asks for {asked[0]}, which difftune does not support: it trains LoRAs with DDP "
+            "(`accelerate launch --multi_gpu`), each GPU holding the whole frozen base. A base quantized with "
+            "optimum-quanto (model.quantize) cannot be sharded by FSDP or DeepSpeed at all (its packed weights are "
+            "not shardable parameters). For a model too big for one card, quantize it (e.g. `qtype: qint4`, "
+            "with `quantize_te` and `low_vram`) and launch with --multi_gpu; see docs/multi-gpu.md.")
+
+
 class RunAccelerator:
     """accelerate's Accelerator for one run, and the host group beside it; `close` forgets accelerate's
     process-wide state so that the next job of the same process can choose its own."""
 
     def __init__(self, runtime: RuntimeSection, device: str, run_dir: Path, gradient_accumulation: int,
                  tensorboard: bool = False, unused_parameters: bool = False):
+        refuse_sharded_launch()
         target = target_device(device)
         if target.type == "cuda" and target.index is not None:
             torch.cuda.set_device(target.index)
