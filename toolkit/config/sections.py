@@ -373,7 +373,7 @@ class SampleConfig(Section):
     guidance_scale: float | None = Field(None, ge=0, description="Guidance scale; default per family: sd15 7, "
                                          "sdxl 5, wuerstchen 4 (the prior), zimage 0 (off, for Turbo; the base "
                                          "model wants about 4), flux 3.5 into [dev]'s guidance embedding (0 for "
-                                         "[schnell]).",
+                                         "[schnell]), qwen_image 4 (true CFG with `neg`; 1 turns it off).",
                                   json_schema_extra=aka("cfg_scale", "cfg"))
     sample_steps: int | None = Field(None, ge=1, description="Denoising steps per sample; default per family: 20 "
                                      "(flux [schnell] 4).",
