@@ -4,6 +4,8 @@ both caches; two processes on a quantized base."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -56,12 +58,14 @@ def render(pipe) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_quantized_base_and_text_encoder_with_both_caches_and_its_lora_in_the_pipeline(tmp_path, registry, tiny_cache):
-    """24 GB settings in miniature (block-by-block qint8 transformer, qint8 text encoder, both caches, gradient
-    checkpointing, samples with true CFG): finite losses, the held-out loss falls, and the LoRA loads in
-    QwenImagePipeline in both forms alike (1e-5), changing its output and lowering its held-out loss."""
+def test_quantized_base_and_text_encoder_with_both_caches_and_its_lora_in_the_pipeline(tmp_path, registry, tiny_cache,
+                                                                                     caplog):
+    """24 GB settings in miniature (layer-by-layer qint8 transformer, qint8 text encoder, both caches, gradient
+    checkpointing, low_vram, samples with true CFG, memory per phase): finite losses, the held-out loss falls, and
+    the LoRA loads in QwenImagePipeline in both forms alike (1e-5), changing its output and lowering its held-out
+    loss."""
     process = qwen_process(tmp_path, model={"quantize": True, "qtype": "qint8", "quantize_te": True,
-                                            "qtype_te": "qint8"},
+                                            "qtype_te": "qint8", "low_vram": True}, logging={"debug_memory": True},
                            network={"linear": 4, "linear_alpha": 8},
                            train={"steps": 30, "lr": 3e-3, "cache_text_embeddings": True,
                                   "gradient_checkpointing": True},
@@ -71,8 +75,11 @@ def test_quantized_base_and_text_encoder_with_both_caches_and_its_lora_in_the_pi
     process["datasets"][0]["cache_latents"] = True
     config, path = load_config(str(write_job(tmp_path / "q.yaml", "q", process)), registry)
     job = get_job(config, path, registry)
-    job.run()
+    with caplog.at_level(logging.INFO, logger="difftune"):
+        job.run()
     trainer, run_dir = job.processes[0], tmp_path / "output" / "q"
+    phases = [r.memory["label"] for r in caplog.records if hasattr(r, "memory")]
+    assert phases[:2] == ["transformer load and quantization", "text encoder, VAE load"], phases
     records = read_metrics(run_dir / "metrics.jsonl")
     assert len(records) == 30 and all(np.isfinite(r["loss"]) for r in records)
     adapter = trainer.adapter
