@@ -1,8 +1,10 @@
 """Peak host memory while loading a quantized Qwen-Image transformer, measured in a fresh process (run by
-tests/test_quantized_loading.py): `python tests/quantized_load_probe.py streamed|whole FOLDER`.
+tests/test_quantized_loading.py): `python tests/quantized_load_probe.py FOLDER`.
 
-Prints JSON: the peak resident memory above the level before loading (the kernel's high-water mark, reset just
-before), and the bytes of the quantized model as stored."""
+Two loads, each measured from the kernel's high-water mark reset just before it: streamed (the family's loader:
+read and quantized layer by layer), then the control (the whole model in bf16 first, then quantized block by
+block). Prints JSON per load: the peak resident memory above the level before it, and the bytes of the quantized
+model as stored."""
 
 from __future__ import annotations
 
@@ -21,24 +23,37 @@ def status(field: str) -> int:
     raise KeyError(field)
 
 
-def main(mode: str, folder: str) -> None:
+def measured(load) -> dict:
+    from toolkit.device import trim_host_heap
+    from toolkit.quantize import weight_bytes
+
+    gc.collect()
+    trim_host_heap()
+    Path("/proc/self/clear_refs").write_text("5")  # resets the high-water mark to the current level
+    before = status("VmRSS")
+    transformer = load()
+    result = {"peak_bytes": status("VmHWM") - before, "quantized_bytes": weight_bytes(transformer)}
+    del transformer
+    return result
+
+
+def main(folder: str) -> None:
     import torch
 
     from toolkit.models.qwen_image.adapter import QwenImageAdapter
-    from toolkit.quantize import quantize_blockwise, weight_bytes
+    from toolkit.quantize import quantize_blockwise
 
     cpu = torch.device("cpu")
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # resets the high-water mark to the current level
-    before = status("VmRSS")
-    if mode == "streamed":
-        transformer = QwenImageAdapter.load_quantized_transformer(folder, folder, "qint8", torch.bfloat16, cpu)
-    else:  # the whole model in bf16 first, then quantized block by block: what the streamed load avoids
+
+    def streamed():
+        return QwenImageAdapter.load_transformer(folder, folder, torch.bfloat16, "qint8", cpu)
+
+    def whole():
         transformer = QwenImageAdapter.load_transformer(folder, folder, torch.bfloat16)
-        quantize_blockwise(transformer, "qint8", list(transformer.transformer_blocks),
-                           list(QwenImageAdapter.QUANTIZATION_EXCLUDE), cpu)
-    print(json.dumps({"peak_bytes": status("VmHWM") - before, "quantized_bytes": weight_bytes(transformer),
-                      "after_bytes": status("VmRSS") - before}))
+        return quantize_blockwise(transformer, "qint8", list(transformer.transformer_blocks),
+                                  list(QwenImageAdapter.QUANTIZATION_EXCLUDE), cpu)
+
+    print(json.dumps({"streamed": measured(streamed), "whole": measured(whole)}))
 
 
 if __name__ == "__main__":

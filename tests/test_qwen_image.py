@@ -259,8 +259,33 @@ def test_sampling_maps_guidance_to_true_cfg(adapter):
     assert text["prompt_embeds_mask"].all() and text["negative_prompt_embeds"].shape[1] == 6  # " " + the tail
     guided = sampling.pipeline_arguments(text, 4.0)
     assert guided["true_cfg_scale"] == 4.0 and "guidance_scale" not in guided and "negative_prompt_embeds" in guided
+    # the pipeline cuts even given embeddings at its max_sequence_length (512 unless told): samples use training's
+    assert guided["max_sequence_length"] == adapter.max_sequence_length == 1024
     plain = sampling.pipeline_arguments(text, 1.0)
     assert "negative_prompt_embeds" not in plain and plain["true_cfg_scale"] == 1.0
+    assert (sampling.negative_prompt(""), sampling.negative_prompt("blurry")) == (" ", "blurry")  # what PNGs record
+
+
+def test_a_single_transformer_file_loads_with_or_without_comfyuis_prefix(tmp_path, adapter):
+    """A single file in ComfyUI's layout (diffusers' names, maybe under `model.diffusion_model.`) loads layer by
+    layer, its config from `single_file_config`, quantized or not, to the folder model's weights."""
+    from safetensors.torch import save_file
+
+    state = adapter.transformer.state_dict()
+    path = tmp_path / "qwen_image_bf16.safetensors"
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in state.items()}, str(path))
+    loaded = QwenImageAdapter.load(model_config(arch="qwen_image", name_or_path=str(path),
+                                                single_file_config=str(qwen.ensure_tiny_qwen_image())), CPU,
+                                   torch.float32)
+    assert loaded.transformer.state_dict().keys() == state.keys()
+    assert all(torch.equal(loaded.transformer.state_dict()[k], v) for k, v in state.items())
+    quantized = QwenImageAdapter.load(model_config(arch="qwen_image", name_or_path=str(path), quantize=True,
+                                                   single_file_config=str(qwen.ensure_tiny_qwen_image())), CPU,
+                                      torch.float32)
+    embeds = adapter.encode_prompts(PROMPTS[:1])
+    noisy, t = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(4)), torch.tensor([300.0])
+    full = adapter.predict(noisy, t, embeds)
+    assert torch.allclose(quantized.predict(noisy, t, embeds), full, atol=0.05 * full.abs().max().item())
 
 
 @pytest.mark.parametrize("model, train, message", [

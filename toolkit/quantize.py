@@ -236,7 +236,7 @@ class StreamedWeights:
         return tensors
 
 
-def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype: torch.dtype, qtype: str,
+def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype: torch.dtype, qtype: str | None,
                    blocks: list[str], exclude: list[str], device: torch.device | str, source: str) -> torch.nn.Module:
     """Fill `empty_model` (built on the meta device) from `weights` and quantize it, block by block and within a
     block layer by layer: each layer's tensors are read in `dtype` straight onto `device` and quantized and frozen
@@ -246,10 +246,11 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
     diffusers' own quanto loading (`QuantoConfig`) reads a whole weight shard (about 5 GB for the big DiTs) into
     host memory first and quantizes where the tensors land; this keeps peak memory at one layer and quantizes on
     the accelerator. `blocks` are module names; the rest of the model (embedders, final layers, norms) is read
-    last, with `exclude` (fnmatch patterns over module names) kept in full precision."""
+    last, with `exclude` (fnmatch patterns over module names) kept in full precision. `qtype` None reads the model
+    the same way without quantizing it."""
     from accelerate.utils import set_module_tensor_to_device
 
-    weights_type = quanto_qtype(qtype)
+    weights_type = quanto_qtype(qtype) if qtype else None
     keep_qfloat8_off_marlin()
     keep_quantized_linear_dtypes_matched()
     device = torch.device(device)
@@ -259,17 +260,22 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
     missing = sorted(expected - set(weights.location))
     unexpected = sorted(set(weights.location) - expected)
     if missing or unexpected:
-        detail = (f"missing {len(missing)} tensors (e.g. {missing[0]})" if missing else
-                  f"{len(unexpected)} tensors the model does not have (e.g. {unexpected[0]})")
-        raise ValueError(f"{source}: the weights do not fit {type(empty_model).__name__}'s config: {detail}")
+        detail = [f"missing {len(missing)} tensors (e.g. {missing[0]})"] if missing else []
+        detail += [f"{len(unexpected)} tensors the model does not have (e.g. {unexpected[0]})"] if unexpected else []
+        raise ValueError(f"{source}: the weights do not fit {type(empty_model).__name__}'s config: "
+                         f"{'; '.join(detail)}")
     done: set[str] = set()
 
     def fill(names: list[str]) -> None:
         for name, tensor in weights.read(names, dtype, device).items():
-            set_module_tensor_to_device(empty_model, name, device, value=tensor, dtype=tensor.dtype)
+            # clear_cache off: accelerate would empty the CUDA cache for every tensor
+            set_module_tensor_to_device(empty_model, name, device, value=tensor, dtype=tensor.dtype, clear_cache=False)
         done.update(names)
 
     for block in blocks:
+        if weights_type is None:  # read one block at a time, nothing quantized
+            fill(sorted(n for n in expected if n.startswith(block + ".")))
+            continue
         block_module = empty_model.get_submodule(block)
         for name, layer in list(block_module.named_modules()):
             full = f"{block}.{name}"
@@ -281,7 +287,8 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
             trim_host_heap()  # the layer's full-precision tensors and the quantizer's temporaries
         fill(sorted(n for n in expected - done if n.startswith(block + ".")))  # norms, unquantized layers
     fill(sorted(expected - done))
-    quantize(empty_model, weights=weights_type, exclude=exclude + [p for b in blocks for p in subtree_patterns(b)])
-    freeze_new(empty_model)
+    if weights_type is not None:
+        quantize(empty_model, weights=weights_type, exclude=exclude + [p for b in blocks for p in subtree_patterns(b)])
+        freeze_new(empty_model)
     empty_model.requires_grad_(False)
     return empty_model.eval()

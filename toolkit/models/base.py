@@ -204,6 +204,10 @@ class SamplingParts(ABC):
         guidance scale under the name the family's pipeline takes (a family with true CFG maps it otherwise)."""
         return {**text, "guidance_scale": guidance}
 
+    def negative_prompt(self, negative: str) -> str:
+        """The negative prompt samples render with for `sample.neg` (what the PNG records)."""
+        return negative
+
     def reproduction(self) -> dict:
         """Pipeline arguments a sample's PNG records besides the common ones, where rendering it again needs them."""
         return {}

@@ -92,8 +92,9 @@ class SampleRenderer:
             ).images[0]
             info = PngInfo()
             guidance_record = {k: v for k, v in arguments.items() if k not in text}
-            for key, value in self.reproduction(pipe, prompt, seed, guidance_record, step, steps,
-                                                adapter.sampling.reproduction()).items():
+            extras = {"negative_prompt": adapter.sampling.negative_prompt(self.cfg.neg),
+                      **adapter.sampling.reproduction()}
+            for key, value in self.reproduction(pipe, prompt, seed, guidance_record, step, steps, extras).items():
                 info.add_text(key, str(value))
             path = self.folder / f"step_{step:09d}_{index}.png"
             write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))

@@ -119,19 +119,21 @@ class QwenImageSampling(SamplingParts):
                                  text_encoder=a.text_encoder, tokenizer=a.tokenizer, transformer=a.transformer)
 
     def pipeline_arguments(self, text: dict, guidance: float) -> dict:
+        """`true_cfg_scale`, and `max_sequence_length` (the pipeline cuts even given embeddings at it: 512 unless
+        told)."""
         if guidance <= 1:  # the pipeline would warn that a negative prompt without guidance is unused
             text = {k: v for k, v in text.items() if not k.startswith("negative")}
-        return {**text, "true_cfg_scale": guidance}
+        return {**text, "true_cfg_scale": guidance, "max_sequence_length": self.adapter.max_sequence_length}
 
-    def reproduction(self) -> dict:
-        return {"max_sequence_length": self.adapter.max_sequence_length}
+    def negative_prompt(self, negative: str) -> str:
+        return negative or " "
 
     @torch.no_grad()
     def conditioning(self, prompt: str, negative: str) -> dict[str, torch.Tensor]:
         """Each prompt encoded alone, as the pipeline encodes positive and negative separately; the masks are
         passed (all ones for one prompt) so that the pipeline does not warn about their absence."""
         a = self.adapter
-        positive, negative_embeds = (a.encode_prompts([p]) for p in (prompt, negative or " "))
+        positive, negative_embeds = (a.encode_prompts([p]) for p in (prompt, self.negative_prompt(negative)))
         device = a.text_encoder.device
 
         def mask(embeds: PromptEmbeds) -> torch.Tensor:
@@ -184,12 +186,10 @@ class QwenImageAdapter(ModelAdapter):
         components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS,
                                         "model.single_file_config") if single else source
         kw = {"variant": None if single else model_cfg.variant, "revision": None if single else model_cfg.revision}
-        streamed = model_cfg.quantize and not model_cfg.assistant_lora_path
-        with memory_debug("transformer load" + (" and quantization" if streamed else ""), debug_memory):
-            if streamed:
-                transformer = cls.load_quantized_transformer(source, components, model_cfg.qtype, dtype, device, **kw)
-            else:
-                transformer = cls.load_transformer(source, components, dtype, **kw)
+        # an assistant LoRA is merged in full precision, before any quantization
+        qtype = model_cfg.qtype if model_cfg.quantize and not model_cfg.assistant_lora_path else None
+        with memory_debug("transformer load" + (" and quantization" if qtype else ""), debug_memory):
+            transformer = cls.load_transformer(source, components, dtype, qtype, device, **kw)
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
@@ -212,43 +212,34 @@ class QwenImageAdapter(ModelAdapter):
         name_or_path = normalize_path(name_or_path, key)
         return str(ensure_tiny_qwen_image()) if name_or_path == "tiny" else name_or_path
 
-    @staticmethod
-    def load_transformer(source: str, components: str, dtype: torch.dtype, variant: str | None = None,
+    @classmethod
+    def load_transformer(cls, source: str, components: str, dtype: torch.dtype, qtype: str | None = None,
+                         device: torch.device | str = "cpu", variant: str | None = None,
                          revision: str | None = None) -> QwenImageTransformer2DModel:
-        """The full-precision transformer from a diffusers folder / hub id, or a single file in ComfyUI's layout
-        (diffusers' names already; the config from `components`)."""
-        if is_single_file(source):
-            if not Path(source).is_file():
-                raise FileNotFoundError(f"model file not found: {source}")
-            transformer = QwenImageTransformer2DModel.from_single_file(
-                source, config=components, subfolder="transformer", local_files_only=Path(components).is_dir(),
-                torch_dtype=dtype)
-        else:
+        """The transformer, frozen. With `qtype`, or from a single file, it is built empty from its config and read
+        layer by layer onto `device` (quantized on the way with `qtype`; toolkit.quantize.load_quantized), so it is
+        never whole in full precision. A single file (ComfyUI's layout: diffusers' names, with or without a
+        `model.diffusion_model.` prefix) takes its config from `components`. Otherwise diffusers' `from_pretrained`."""
+        single = is_single_file(source)
+        if not single and qtype is None:
             transformer = QwenImageTransformer2DModel.from_pretrained(source, subfolder="transformer",
                                                                       torch_dtype=dtype, variant=variant,
                                                                       revision=revision)
-        transformer.requires_grad_(False)
-        return transformer.eval()
-
-    @classmethod
-    def load_quantized_transformer(cls, source: str, components: str, qtype: str, dtype: torch.dtype,
-                                   device: torch.device, variant: str | None = None,
-                                   revision: str | None = None) -> QwenImageTransformer2DModel:
-        """The transformer built empty from its config, then read and quantized one block at a time onto `device`
-        (toolkit.quantize.load_quantized)."""
+            transformer.requires_grad_(False)
+            return transformer.eval()
         from accelerate import init_empty_weights
 
-        config_folder = model_folder(components, "transformer", None if is_single_file(source) else revision)
+        if single and not Path(source).is_file():
+            raise FileNotFoundError(f"model file not found: {source}")
+        # the config alone (from the hub: config.json only)
+        config = QwenImageTransformer2DModel.load_config(components, subfolder="transformer",
+                                                         revision=None if single else revision)
         with init_empty_weights():
-            transformer = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(config_folder))
-        if is_single_file(source):
-            if not Path(source).is_file():
-                raise FileNotFoundError(f"model file not found: {source}")
-            files, where = [Path(source)], source
-        else:
-            files, where = weight_files(config_folder, variant), str(config_folder)
+            transformer = QwenImageTransformer2DModel.from_config(config)
+        files = [Path(source)] if single else transformer_weight_files(source, variant, revision)
         weights = StreamedWeights(files, strip=("model.diffusion_model.", "diffusion_model."))
         blocks = [f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
+        where = source if single else str(files[0].parent)
         return load_quantized(transformer, weights, dtype, qtype, blocks, list(cls.QUANTIZATION_EXCLUDE), device,
                               where)
 
@@ -384,13 +375,17 @@ def qwen_lora_targets(blocks: int) -> list[str]:
             if not (index == last and target in LAST_BLOCK_TEXT_ONLY)]
 
 
-def model_folder(source: str, subfolder: str, revision: str | None) -> Path:
-    """A diffusers folder's (or hub repo's, from the local hub cache or downloaded) `subfolder`."""
+def transformer_weight_files(source: str, variant: str | None, revision: str | None) -> list[Path]:
+    """The transformer's safetensors files in a diffusers folder, or in a hub repo (its weight files of `variant`
+    only, from the local hub cache or downloaded)."""
     if Path(source).is_dir():
-        return Path(source) / subfolder
+        return weight_files(Path(source) / "transformer", variant)
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(source, allow_patterns=[f"{subfolder}/*"], revision=revision)) / subfolder
+    weights = f"transformer/*.{variant}.safetensors" if variant else "transformer/*.safetensors"
+    folder = snapshot_download(source, allow_patterns=["transformer/*.json", weights], revision=revision,
+                               ignore_patterns=None if variant else ["transformer/*.*.safetensors"])
+    return weight_files(Path(folder) / "transformer", variant)
 
 
 def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
