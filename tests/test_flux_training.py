@@ -1,5 +1,6 @@
 """FLUX.1 end to end on the tiny presets, through the real job path: [dev] on a qint8 base with a quantized T5 and
-both caches, [schnell] whose LoRA loads in FluxPipeline in both forms, exact resume, two processes."""
+both caches, [schnell] whose LoRA loads in FluxPipeline in both forms, exact resume (two processes:
+tests/test_family_launches.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FluxPipeline
-from helpers import held_out_loss, launch, make_image, trainer_process, write_job
+from helpers import held_out_loss, make_image, trainer_process, write_job
 from instrumented_run import interrupt_after
 from optimum.quanto import QModuleMixin
 from PIL import Image
@@ -152,17 +153,3 @@ def test_ctrl_c_and_rerun_continue_exactly_with_both_caches(tmp_path, tiny_cache
         [(r["step"], r["loss"], r["lr"]) for r in read_metrics(straight / "metrics.jsonl")]
     ours, theirs = load_file(str(resumed / "resumed.safetensors")), load_file(str(straight / "straight.safetensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_train_schnell(tmp_path, tiny_cache):
-    process = flux_process(tmp_path, "tiny-schnell", train={"steps": 3, "cache_text_embeddings": True,
-                                                            "lr_scheduler": "linear"})
-    process["datasets"][0]["cache_latents"] = True
-    result = launch(write_job(tmp_path / "job.yaml", "two", process), 2, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
-    assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
-    # the LR is a function of the update index, whatever the process count
-    assert [r["lr"] for r in records] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])

@@ -1,6 +1,6 @@
 """Qwen-Image end to end on the tiny preset, through the real job path: a qint8 base read block by block with a
 quantized text encoder and both caches, whose LoRA loads in QwenImagePipeline in both file forms; exact resume with
-both caches; two processes on a quantized base."""
+both caches (two processes on a quantized base: tests/test_family_launches.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from helpers import held_out_loss, launch, make_image, trainer_process, write_job
+from helpers import held_out_loss, make_image, trainer_process, write_job
 from instrumented_run import interrupt_after
 from optimum.quanto import QModuleMixin
 from PIL import Image
@@ -140,17 +140,3 @@ def test_ctrl_c_and_rerun_continue_exactly_with_both_caches(tmp_path, tiny_cache
     entry_lengths = {load_file(str(p))["embeds"].shape[0] for p in (tmp_path / "cache").rglob("*.safetensors")
                      if "embeds" in load_file(str(p))}
     assert len(entry_lengths) > 1  # entries keep their captions' own lengths
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_train_on_a_quantized_base(tmp_path, tiny_cache):
-    process = qwen_process(tmp_path, model={"quantize": True, "qtype": "qint8"},
-                           train={"steps": 3, "cache_text_embeddings": True, "lr_scheduler": "linear"})
-    process["datasets"][0]["cache_latents"] = True
-    result = launch(write_job(tmp_path / "job.yaml", "two", process), 2, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
-    assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
-    # the LR is a function of the update index, whatever the process count
-    assert [r["lr"] for r in records] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])

@@ -1,5 +1,5 @@
 """Wuerstchen prior (stage C) LoRA: the tiny preset through the real job path, the image encoder's weights,
-the family's config keys, and a 2-process run."""
+the family's config keys (a 2-process run: tests/test_family_launches.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import DDPMWuerstchenScheduler
 from diffusers.pipelines.deprecated.wuerstchen import WuerstchenPrior, WuerstchenPriorPipeline
-from helpers import QUICKSTART_DATA, held_out_loss, launch, trainer_process, write_job
+from helpers import QUICKSTART_DATA, held_out_loss, trainer_process, write_job
 from safetensors.torch import save_file
 from torchvision.transforms import Normalize
 from transformers import CLIPTextModel, CLIPTokenizer
@@ -235,19 +235,6 @@ def test_sample_prompts_without_a_decoder_are_a_config_error(tmp_path, registry)
     with pytest.raises(ConfigError, match=r"sample.prompts: wuerstchen renders sample images through another model: "
                        r"set model.decoder_name_or_path"):
         load_config(str(write_job(tmp_path / "c.yaml", "c", process)), registry)
-
-
-@pytest.mark.slow
-def test_two_processes_complete_the_planned_updates(tmp_path, tiny_wuerstchen):
-    """8 images, batch 1, 2 processes: 4 updates per epoch; 6 updates."""
-    process = wuerstchen_process(tmp_path, train={"steps": 6, "batch_size": 1, "lr": 1e-3})
-    job = write_job(tmp_path / "job.yaml", "two", process)
-    result = launch(job, 2, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(tmp_path / "output" / "two" / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 7))
-    assert all(math.isfinite(r["loss"]) for r in records)
-    assert (tmp_path / "output" / "two" / "two.safetensors").is_file()
 
 
 def test_a_full_width_torchvision_encoder_loads_with_its_widths_and_outputs():

@@ -1,0 +1,62 @@
+"""The transformer families (and the Wuerstchen prior) on two processes, in one launch: the job files run in turn in
+the same two processes (gloo), so the launch's start-up (two interpreters importing torch, diffusers and
+transformers) is paid once rather than once per family. Each job is the family's own test configuration."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from helpers import REPO, launch, write_job
+from test_flux_training import flux_process
+from test_qwen_image_training import qwen_process
+from test_wuerstchen import wuerstchen_process
+from test_zimage_training import zimage_process
+
+from toolkit.run.metrics import read_metrics
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
+    """Per family: the planned updates with finite losses, the LR a function of the update index whatever the
+    process count, the LoRA written; quantized bases (Z-Image, Qwen-Image) in DDP; only the main process loads
+    Z-Image's sample-only transformer."""
+    jobs = {
+        # DDP over a quanto-quantized frozen base; only the main process renders samples, so only it loads (and
+        # quantizes) the separate sampling transformer
+        "zimage": zimage_process(tmp_path / "zimage", train={"steps": 4, "batch_size": 1, "cache_text_embeddings": True},
+                                 sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64}),
+        "flux": flux_process(tmp_path / "flux", "tiny-schnell", train={"steps": 3, "cache_text_embeddings": True,
+                                                                       "lr_scheduler": "linear"}),
+        "qwen_image": qwen_process(tmp_path / "qwen_image", model={"quantize": True, "qtype": "qint8"},
+                                   train={"steps": 3, "cache_text_embeddings": True, "lr_scheduler": "linear"}),
+        # 8 images, batch 1, 2 processes: 4 updates per epoch; 6 updates
+        "wuerstchen": wuerstchen_process(tmp_path / "wuerstchen", train={"steps": 6, "batch_size": 1, "lr": 1e-3}),
+    }
+    for name in ("flux", "qwen_image"):
+        jobs[name]["datasets"][0]["cache_latents"] = True
+    paths = [str(write_job(tmp_path / f"{name}.yaml", name, process)) for name, process in jobs.items()]
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    result = launch(paths[0], 2, tmp_path, extra_jobs=paths[1:], script=REPO / "tests" / "instrumented_run.py",
+                    env={"DIFFTUNE_TEST_RECORD_MODEL_LOADS": str(loads)})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def records(name: str) -> list[dict]:
+        run_dir = tmp_path / name / "output" / name
+        assert (run_dir / f"{name}.safetensors").is_file(), name
+        found = read_metrics(run_dir / "metrics.jsonl")
+        assert all(math.isfinite(r["loss"]) for r in found), name
+        return found
+
+    recorded = {path.stem: json.loads(path.read_text()) for path in loads.iterdir()}
+    assert recorded == {"rank0": {"sampling_models": True, "sampling_transformer": True},
+                        "rank1": {"sampling_models": False, "sampling_transformer": False}}
+    assert [r["step"] for r in records("zimage")] == [1, 2, 3, 4]
+    for name in ("flux", "qwen_image"):
+        assert [r["lr"] for r in records(name)] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3]), name
+    assert [r["step"] for r in records("wuerstchen")] == list(range(1, 7))
+    assert np.isfinite([r["loss"] for r in records("qwen_image")]).all()
