@@ -87,40 +87,60 @@ def test_single_process_run_logs_warmup_and_cosine(tmp_path, registry, tiny_sd15
     assert state["lr"] == pytest.approx(final) == 0
 
 
-def run_launched(tmp_path, name: str, processes: int, images: int, **train) -> tuple[list[dict], dict, str]:
-    data = make_images(tmp_path / f"data_{images}", images) if not (tmp_path / f"data_{images}").exists() \
-        else tmp_path / f"data_{images}"
+def job_file(tmp_path, name: str, images: int, **train):
+    data = tmp_path / f"data_{images}"
+    if not data.exists():
+        make_images(data, images)
     process = trainer_process(tmp_path, trigger_word=None, datasets=[{"folder_path": str(data), "resolution": [32]}],
                               train={"lr": LR, **train})
-    job = write_job(tmp_path / f"{name}.yaml", name, process)
-    result = launch(job, processes, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
+    return write_job(tmp_path / f"{name}.yaml", name, process)
+
+
+def run_results(tmp_path, name: str) -> tuple[list[dict], dict]:
+    """A launched run's metrics and its last checkpoint's train state."""
     run_dir = tmp_path / "output" / name
     last = sorted((run_dir / "checkpoints").iterdir())[-1]
-    return read_metrics(run_dir / "metrics.jsonl"), json.loads((last / "train_state.json").read_text()), result.stderr
+    return read_metrics(run_dir / "metrics.jsonl"), json.loads((last / "train_state.json").read_text())
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_accumulation_linear_schedule(tmp_path):
-    """5 images, batch 1, 2 processes, accumulation 2, 1 epoch: ceil(ceil(5/2)/2) = 2 updates."""
-    metrics, state, _ = run_launched(tmp_path, "lin", 2, 5, batch_size=1, steps=None, epochs=1,
-                                     gradient_accumulation=2, lr_scheduler="linear")
-    assert [r["lr"] for r in metrics] == pytest.approx([LR, LR / 2])
-    assert state["global_step"] == 2 and state["world_size"] == 2
-    assert [(r["rank"], r["global_step"], r["lr"]) for r in state["ranks"]] == [(0, 2, 0.0), (1, 2, 0.0)]
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("batches, processes, epochs", [(7, 3, 2), (11, 2, 1)])
-def test_plan_matches_updates_of_uneven_shards(tmp_path, batches, processes, epochs):
+def uneven_job(tmp_path, batches: int, processes: int, epochs: int):
+    """`batches` images of batch 1 over `processes` with accumulation 2 for `epochs`, and the plan it should take."""
     plan = TrainingPlan.create(batches, batches, processes, gradient_accumulation=2, steps=None, epochs=epochs)
-    metrics, state, log = run_launched(tmp_path, "uneven", processes, batches, batch_size=1, steps=None,
-                                       epochs=epochs, gradient_accumulation=2)
+    return plan, job_file(tmp_path, f"uneven{batches}", batches, batch_size=1, steps=None, epochs=epochs,
+                          gradient_accumulation=2)
+
+
+def assert_follows_plan(tmp_path, name: str, plan: TrainingPlan, log: str) -> None:
+    metrics, state = run_results(tmp_path, name)
     assert len(metrics) == state["global_step"] == plan.total_updates
     assert [r["epoch"] for r in metrics] == [k // plan.updates_per_epoch for k in range(plan.total_updates)]
     assert "recomputing the plan" not in log
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_accumulation_linear_schedule_and_an_uneven_plan(tmp_path):
+    """One launch, two jobs. 5 images, batch 1, 2 processes, accumulation 2, 1 epoch: ceil(ceil(5/2)/2) = 2
+    updates, the linear schedule per update; 11 images: the plan's updates and epochs, uneven shards."""
+    linear = job_file(tmp_path, "lin", 5, batch_size=1, steps=None, epochs=1, gradient_accumulation=2,
+                      lr_scheduler="linear")
+    plan, uneven = uneven_job(tmp_path, 11, 2, 1)
+    result = launch(linear, 2, cwd=tmp_path, extra_jobs=[str(uneven)])
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics, state = run_results(tmp_path, "lin")
+    assert [r["lr"] for r in metrics] == pytest.approx([LR, LR / 2])
+    assert state["global_step"] == 2 and state["world_size"] == 2
+    assert [(r["rank"], r["global_step"], r["lr"]) for r in state["ranks"]] == [(0, 2, 0.0), (1, 2, 0.0)]
+    assert_follows_plan(tmp_path, "uneven11", plan, result.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_plan_matches_updates_of_uneven_shards_on_three_processes(tmp_path):
+    plan, job = uneven_job(tmp_path, 7, 3, 2)
+    result = launch(job, 3, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_follows_plan(tmp_path, "uneven7", plan, result.stderr)
 
 
 @pytest.mark.slow
