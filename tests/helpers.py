@@ -100,3 +100,35 @@ def held_out_loss(adapter, denoiser, pixels: torch.Tensor, captions: list[str]) 
     with torch.no_grad():
         prediction = adapter.predict(noisy, t, embeds, module=denoiser)
     return mse_loss(prediction, adapter.noise_schedule.target(latents, noise, t)).item()
+
+
+def straight_and_resumed(tmp_path: Path, process: dict) -> tuple[Path, Path]:
+    """The job run straight through (`straight`), and the same job stopped by Ctrl-C after 3 updates (no final LoRA
+    yet) and run again (`resumed`): their run folders."""
+    from instrumented_run import interrupt_after
+
+    import run
+
+    output = Path(process["training_folder"])
+    assert run.main([str(write_job(tmp_path / "a.yaml", "straight", process))]) == 0
+    stopped = write_job(tmp_path / "b.yaml", "resumed", process)
+    with interrupt_after(3):
+        assert run.main([str(stopped)]) == 0
+    assert not (output / "resumed" / "resumed.safetensors").exists()
+    assert run.main([str(stopped)]) == 0
+    return output / "straight", output / "resumed"
+
+
+def assert_same_training(straight: Path, resumed: Path) -> None:
+    """Per update the same step, loss, LR and epoch, and the same final LoRA, bit for bit."""
+    from safetensors.torch import load_file
+
+    from toolkit.run.metrics import read_metrics
+
+    def per_update(run_dir: Path) -> list[tuple]:
+        return [(r["step"], r["loss"], r["lr"], r["epoch"]) for r in read_metrics(run_dir / "metrics.jsonl")]
+
+    assert per_update(resumed) == per_update(straight)
+    ours = load_file(str(resumed / f"{resumed.name}.safetensors"))
+    theirs = load_file(str(straight / f"{straight.name}.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)

@@ -146,25 +146,26 @@ def test_plan_matches_updates_of_uneven_shards_on_three_processes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_path, registry):
-    """171 samples, batch 4, 2 processes, accumulation 5: 43 batches -> 22 per process -> 5 updates per epoch."""
+    """51 samples, batch 4, 2 processes, accumulation 5: 13 batches -> 7 and 6 per process -> 2 updates per epoch
+    (windows of 5 and 2 micro-batches)."""
     schedule = {"batch_size": 4, "gradient_accumulation": 5, "lr_scheduler": "cosine_with_restarts",
                 "lr_scheduler_params": {"num_cycles": 2}}
     # both jobs in one launch (a job's processes run in turn, each into its own training folder)
-    data = make_images(tmp_path / "data_171", 171)
+    data = make_images(tmp_path / "data_51", 51)
     jobs = [trainer_process(tmp_path, trigger_word=None, training_folder=str(tmp_path / folder),
                             datasets=[{"folder_path": str(data), "resolution": [32]}],
                             train={"lr": LR, **schedule, **train})
-            for folder, train in (("by_epochs", {"steps": None, "epochs": 6}), ("by_steps", {"steps": 30}))]
+            for folder, train in (("by_epochs", {"steps": None, "epochs": 10}), ("by_steps", {"steps": 20}))]
     result = launch(write_job(tmp_path / "both.yaml", "lr", *jobs), 2, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "updates per epoch                    5" in result.stderr
+    assert "updates per epoch                    2" in result.stderr
     by_epochs, by_steps = (read_metrics(tmp_path / folder / "lr" / "metrics.jsonl") for folder in ("by_epochs", "by_steps"))
     lrs = [r["lr"] for r in by_epochs]
-    assert len(lrs) == 30 and lrs == pytest.approx([r["lr"] for r in by_steps])
-    assert lrs[15] == pytest.approx(LR) and lrs[14] < LR * 0.05  # the restart
+    assert len(lrs) == 20 and lrs == pytest.approx([r["lr"] for r in by_steps])
+    assert lrs[10] == pytest.approx(LR) and lrs[9] < LR * 0.05  # the restart
 
-    process = trainer_process(tmp_path, trigger_word=None, train={"lr": LR, "steps": 30, **schedule},
-                              datasets=[{"folder_path": str(tmp_path / "data_171"), "resolution": [32]}])
+    process = trainer_process(tmp_path, trigger_word=None, train={"lr": LR, "steps": 20, **schedule},
+                              datasets=[{"folder_path": str(tmp_path / "data_51"), "resolution": [32]}])
     config, path = load_config(str(write_job(tmp_path / "one.yaml", "one", process)), registry)
     get_job(config, path, registry).run()
     assert [r["lr"] for r in read_metrics(tmp_path / "output" / "one" / "metrics.jsonl")] == pytest.approx(lrs)

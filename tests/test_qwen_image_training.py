@@ -10,14 +10,19 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from helpers import held_out_loss, make_image, trainer_process, write_job
-from instrumented_run import interrupt_after
+from helpers import (
+    assert_same_training,
+    held_out_loss,
+    make_image,
+    straight_and_resumed,
+    trainer_process,
+    write_job,
+)
 from optimum.quanto import QModuleMixin
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import run
 from jobs.job import get_job
 from toolkit.config.loader import load_config
 from toolkit.config.schema import DatasetConfig
@@ -127,16 +132,7 @@ def test_ctrl_c_and_rerun_continue_exactly_with_both_caches(tmp_path, tiny_cache
                            save={"save_every": 2, "max_step_saves_to_keep": 3})
     process["datasets"][0].update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"),
                                   caption_dropout_rate=0.2)
-    assert run.main([str(write_job(tmp_path / "a.yaml", "straight", process))]) == 0
-    stopped = write_job(tmp_path / "b.yaml", "resumed", process)
-    with interrupt_after(3):
-        assert run.main([str(stopped)]) == 0
-    assert run.main([str(stopped)]) == 0
-    straight, resumed = (tmp_path / "output" / name for name in ("straight", "resumed"))
-    assert [(r["step"], r["loss"], r["lr"]) for r in read_metrics(resumed / "metrics.jsonl")] == \
-        [(r["step"], r["loss"], r["lr"]) for r in read_metrics(straight / "metrics.jsonl")]
-    ours, theirs = load_file(str(resumed / "resumed.safetensors")), load_file(str(straight / "straight.safetensors"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert_same_training(*straight_and_resumed(tmp_path, process))
     entry_lengths = {load_file(str(p))["embeds"].shape[0] for p in (tmp_path / "cache").rglob("*.safetensors")
                      if "embeds" in load_file(str(p))}
     assert len(entry_lengths) > 1  # entries keep their captions' own lengths

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import signal
 import time
 
@@ -74,12 +73,10 @@ def test_ctrl_c_then_rerun_continues_exactly_on_one_process(tmp_path, uninterrup
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
+    """Interrupted after 5 updates, then rerun; the same job under another name runs straight through in the
+    rerun's launch (after it, in the same two processes) as the reference."""
     job = write_job(tmp_path / "job.yaml", "ddp", resume_process(tmp_path))
-    straight = launch(job, 2, cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    reference = per_update(tmp_path / "output" / "ddp")
-    shutil.move(tmp_path / "output" / "ddp", tmp_path / "reference")
-
+    reference = write_job(tmp_path / "reference.yaml", "reference", resume_process(tmp_path))
     interrupted = launch(job, 2, cwd=tmp_path, script=REPO / "tests" / "instrumented_run.py",
                          env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "5"})
     assert interrupted.returncode == 0, interrupted.stderr[-3000:]
@@ -89,9 +86,10 @@ def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "output" / "ddp" / "checkpoints" / "step_000000005").iterdir()) == [
         "lora.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "scheduler.pt", "train_state.json"]
 
-    resumed = launch(job, 2, cwd=tmp_path)
+    resumed = launch(job, 2, cwd=tmp_path, extra_jobs=[str(reference)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert per_update(tmp_path / "output" / "ddp") == reference
+    assert per_update(tmp_path / "output" / "ddp") == per_update(tmp_path / "output" / "reference")
+    assert len(per_update(tmp_path / "output" / "reference")) == STEPS
 
 
 @pytest.mark.slow

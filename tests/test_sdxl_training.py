@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
-from helpers import held_out_loss, make_image, trainer_process, write_job
-from instrumented_run import control_after, interrupt_after
+from helpers import (
+    assert_same_training,
+    held_out_loss,
+    make_image,
+    straight_and_resumed,
+    trainer_process,
+    write_job,
+)
+from instrumented_run import control_after
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -203,14 +210,5 @@ def per_update(run_dir) -> list[tuple]:
 @pytest.mark.slow
 def test_ctrl_c_and_rerun_continue_exactly_with_both_caches(tmp_path, tiny_sdxl):
     process = resume_process(tmp_path)
-    assert run.main([str(write_job(tmp_path / "a.yaml", "straight", process))]) == 0
-    stopped = write_job(tmp_path / "b.yaml", "resumed", process)
-    with interrupt_after(3):
-        assert run.main([str(stopped)]) == 0
-    assert not (tmp_path / "output" / "resumed" / "resumed.safetensors").exists()
-    assert run.main([str(stopped)]) == 0
-    straight, resumed = tmp_path / "output" / "straight", tmp_path / "output" / "resumed"
-    assert per_update(resumed) == per_update(straight)
-    ours, theirs = load_file(str(resumed / "resumed.safetensors")), load_file(str(straight / "straight.safetensors"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert_same_training(*straight_and_resumed(tmp_path, process))
     assert any(p.name.endswith(".safetensors") for p in (tmp_path / "cache" / "latents").iterdir())

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-from helpers import REPO, launch, trainer_process, write_job
-from instrumented_run import interrupt_after
+from helpers import REPO, assert_same_training, launch, straight_and_resumed, trainer_process, write_job
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_sdxl_training import per_update, sdxl_process
+from test_sdxl_training import sdxl_process
 
 import run
 from jobs.job import get_job
@@ -115,16 +114,9 @@ def test_ctrl_c_and_rerun_continue_exactly_with_the_text_encoders(tmp_path, tiny
         save={"save_every": 2, "max_step_saves_to_keep": 3})
     process["datasets"][0].update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"),
                                   caption_dropout_rate=0.2, shuffle_tokens=True)
-    assert run.main([str(write_job(tmp_path / "a.yaml", "straight", process))]) == 0
-    stopped = write_job(tmp_path / "b.yaml", "resumed", process)
-    with interrupt_after(3):
-        assert run.main([str(stopped)]) == 0
-    assert run.main([str(stopped)]) == 0
-    straight, resumed = tmp_path / "output" / "straight", tmp_path / "output" / "resumed"
-    assert per_update(resumed) == per_update(straight)
-    ours, theirs = load_file(str(resumed / "resumed.safetensors")), load_file(str(straight / "straight.safetensors"))
-    assert any(k.startswith("lora_te2_") for k in theirs)
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    straight, resumed = straight_and_resumed(tmp_path, process)
+    assert_same_training(straight, resumed)
+    assert any(k.startswith("lora_te2_") for k in load_file(str(straight / "straight.safetensors")))
 
 
 @pytest.mark.slow
