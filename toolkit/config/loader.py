@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -195,7 +194,10 @@ def _unwrap_model(annotation: Any) -> Any:
 
 
 def suggest_key(section: type[BaseModel] | None, key: str) -> str | None:
-    """The closest known key of `section` to a misspelled `key`, also matching other trainers' names."""
+    """The known key of `section` that `key` is a typo of (or a typo of another trainer's name for it, from the
+    fields' `aka`): the nearest name within `typo_allowance` edits, and only when every name that near means the
+    same key. Names that merely look alike (`noise_scheduler` and `lr_scheduler`) are not typos of each other, and
+    a hint toward a key of another meaning would run another training."""
     if section is None:
         return None
     names: dict[str, str] = {}
@@ -204,8 +206,33 @@ def suggest_key(section: type[BaseModel] | None, key: str) -> str | None:
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         for other in extra.get("aka", []):
             names.setdefault(other, field_name)
-    match = difflib.get_close_matches(key.lower(), list(names), n=1, cutoff=0.6)
-    return names[match[0]] if match else None
+    distances = {name: edit_distance(key.lower(), name.lower()) for name in names}
+    nearest = min(distances.values(), default=None)
+    if nearest is None or nearest > typo_allowance(key):
+        return None
+    meant = {names[name] for name, distance in distances.items() if distance == nearest}
+    return meant.pop() if len(meant) == 1 else None
+
+
+def typo_allowance(key: str) -> int:
+    """How many edits a typo of `key` may hold: 1 for short keys, 2 up to 12 characters, 3 beyond."""
+    return 1 if len(key) <= 4 else 2 if len(key) <= 12 else 3
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Edits (insertions, deletions, substitutions, swaps of neighbours) that turn `a` into `b`: the optimal string
+    alignment distance. difflib's ratio, the standard library's only measure, rates `samples` and `sample_steps`
+    alike, so the typo test needs this one."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i] + [0] * len(b)
+        for j, char_b in enumerate(b, 1):
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b))
+            if i > 1 and j > 1 and char_a == b[j - 2] and a[i - 2] == char_b:
+                current[j] = min(current[j], previous2[j - 2] + 1)
+        previous2, previous = previous, current
+    return previous[len(b)]
 
 
 def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, prefix: str = "") -> list[str]:
