@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.memory_phases import MIB, collect_phases, phase_table  # noqa: E402
 
 #: a quantized prediction this far from bf16 (relative to its norm) means a kernel computes something else
 MAX_RELATIVE_ERROR = {"qfloat8": 0.05, "qint8": 0.05, "qint4": 0.15}
@@ -104,16 +105,6 @@ def job(folder: Path, model: str, args) -> Path:
     return path
 
 
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.records: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if hasattr(record, "memory"):
-            self.records.append(record.memory)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="Qwen-Image folder (default: a random model)")
@@ -148,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.registry import build_registry
     from toolkit.config.loader import load_config
 
-    collect = Collect()
-    logger = logging.getLogger("difftune")
-    logger.addHandler(collect)
-    logger.setLevel(logging.INFO)
+    collect = collect_phases()
     registry = build_registry(REPO / "extensions")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -161,14 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         get_job(config, path, registry).run()
         wall = time.perf_counter() - started
     print(f"\n{name}: {args.steps} updates in {wall:.1f} s (qtype {args.qtype}, {args.resolution} px)")
-    print(f"{'phase':38s} {'s':>7s} {'alloc before':>13s} {'alloc after':>12s} {'peak so far':>12s} {'rss after':>10s}")
-    mib = 2**20
-    for r in collect.records:
-        print(f"{r['label']:38s} {r['seconds']:7.2f} {r.get('allocated_before', 0) / mib:10.0f} MiB"
-              f" {r.get('allocated_after', 0) / mib:8.0f} MiB {r.get('peak_after', 0) / mib:8.0f} MiB"
-              f" {r.get('rss_after', 0) / mib:6.0f} MiB")
+    print(phase_table(collect.records))
     if args.device == "cuda":
-        print(f"peak allocated over the job: {torch.cuda.max_memory_allocated() / mib:.0f} MiB")
+        print(f"peak allocated over the job: {torch.cuda.max_memory_allocated() / MIB:.0f} MiB")
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0

@@ -12,7 +12,6 @@ Needs no network: random models are built offline (in the difftune cache). Exits
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tempfile
 import time
@@ -23,6 +22,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.memory_phases import MIB, collect_phases, phase_table  # noqa: E402
 
 
 def random_models(dim: int, layers: int) -> tuple[str, str]:
@@ -77,16 +78,6 @@ def qfloat8_bias_check(device: str) -> float:
     return float((got - want).norm() / want.norm())
 
 
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.records: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if hasattr(record, "memory"):
-            self.records.append(record.memory)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="Z-Image folder to train on (default: a random model)")
@@ -111,10 +102,7 @@ def main() -> int:
     if model is None or sampling is None:
         built = random_models(args.dim, args.layers)
         model, sampling = model or built[0], sampling or built[1]
-    collect = Collect()
-    logger = logging.getLogger("difftune")
-    logger.addHandler(collect)
-    logger.setLevel(logging.INFO)
+    collect = collect_phases()
     registry = build_registry(REPO / "extensions")
     with tempfile.TemporaryDirectory() as tmp:
         config, path = load_config(str(job(Path(tmp), model, sampling, args)), registry)
@@ -124,14 +112,9 @@ def main() -> int:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n{name}: {args.steps} updates in {wall:.1f} s "
           f"(model {model}, sampling {sampling}, qtype {args.qtype})")
-    print(f"{'phase':38s} {'s':>7s} {'alloc before':>13s} {'alloc after':>12s} {'peak so far':>12s} {'rss after':>10s}")
-    mib = 2**20
-    for r in collect.records:
-        print(f"{r['label']:38s} {r['seconds']:7.2f} {r.get('allocated_before', 0) / mib:10.0f} MiB"
-              f" {r.get('allocated_after', 0) / mib:8.0f} MiB {r.get('peak_after', 0) / mib:8.0f} MiB"
-              f" {r.get('rss_after', 0) / mib:6.0f} MiB")
+    print(phase_table(collect.records))
     if args.device == "cuda":
-        print(f"peak allocated over the run: {torch.cuda.max_memory_allocated() / mib:.0f} MiB")
+        print(f"peak allocated over the run: {torch.cuda.max_memory_allocated() / MIB:.0f} MiB")
     error = qfloat8_bias_check(args.device)
     print(f"qfloat8 Linear with bias vs bf16, relative error: {error:.4f} (fine below 0.05)")
     return 0 if error < 0.05 else 1

@@ -1,0 +1,40 @@
+"""The trainer's per-phase memory records (`logging.debug_memory`), collected from the log and printed as a table:
+shared by the family device checks (benchmarks/gpu_check_*.py)."""
+
+from __future__ import annotations
+
+import logging
+
+MIB = 2**20
+
+
+class Collect(logging.Handler):
+    """Keeps the memory record each `memory_debug` block logs (`record.memory`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "memory"):
+            self.records.append(record.memory)
+
+
+def collect_phases() -> Collect:
+    """A handler on difftune's logger, at INFO, that keeps every phase's memory record."""
+    collect = Collect()
+    logger = logging.getLogger("difftune")
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)
+    return collect
+
+
+def phase_table(records: list[dict]) -> str:
+    """One line per phase: seconds, accelerator memory allocated before and after, the peak so far, RSS after."""
+    lines = [f"{'phase':38s} {'s':>7s} {'alloc before':>13s} {'alloc after':>12s} {'peak so far':>12s} "
+             f"{'rss after':>10s}"]
+    for r in records:
+        lines.append(f"{r['label']:38s} {r['seconds']:7.2f} {r.get('allocated_before', 0) / MIB:10.0f} MiB"
+                     f" {r.get('allocated_after', 0) / MIB:8.0f} MiB {r.get('peak_after', 0) / MIB:8.0f} MiB"
+                     f" {r.get('rss_after', 0) / MIB:6.0f} MiB")
+    return "\n".join(lines)
