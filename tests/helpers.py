@@ -36,12 +36,49 @@ def trainer_process(tmp_path: Path, **overrides) -> dict:
         "train": {"batch_size": 2, "steps": 4, "lr": 1e-3, "dtype": "fp32", "seed": 42},
         "model": {"arch": "sd15", "name_or_path": "tiny"},
     }
+    return merge_sections(process, overrides)
+
+
+def merge_sections(process: dict, overrides: dict) -> dict:
+    """`process` with `overrides`: a dict merged into the section it names (one level), anything else replacing."""
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(process.get(key), dict):
             process[key] = {**process[key], **value}
         else:
             process[key] = value
     return process
+
+
+def run_job(tmp: Path, registry, name: str, process: dict):
+    """Run a one-process job file in this process: the trainer (its adapter still loaded) and the run folder."""
+    from jobs.job import get_job
+    from toolkit.config.loader import load_config
+
+    config, path = load_config(str(write_job(tmp / f"{name}.yaml", name, process)), registry)
+    job = get_job(config, path, registry)
+    job.run()
+    return job.processes[0], Path(process["training_folder"]) / name
+
+
+def two_bucket_data(folder: Path, square_caption) -> Path:
+    """Three square and three wide images (buckets 64x64 and 96x48 at resolution 64, divisor 16); square image i
+    is captioned `square_caption(i)`."""
+    if not folder.exists():
+        for i in range(3):
+            make_image(folder / f"square_{i}.png", (64, 64), color=(40 + 60 * i, 200 - 50 * i, 90),
+                       caption=square_caption(i))
+            make_image(folder / f"wide_{i}.png", (96, 48), color=(200, 30 + 60 * i, 50 * i), caption=f"stripe {i}")
+    return folder
+
+
+def square_batch(folder: Path, divisor: int) -> tuple[torch.Tensor, list[str]]:
+    """The pixels and captions of a dataset folder's 64x64 bucket (at resolution 64)."""
+    from toolkit.config.schema import DatasetConfig
+    from toolkit.data.dataset import build_dataset, load_pixels
+
+    dataset = build_dataset([DatasetConfig(folder_path=str(folder), resolution=[64])], "shp", divisor)
+    square = [item for item in dataset.items if item.bucket == (64, 64)]
+    return torch.stack([load_pixels(item) for item in square]), [item.record.caption for item in square]
 
 
 def write_job(path: Path, name: str, *processes: dict) -> Path:

@@ -11,53 +11,27 @@ from diffusers import FluxPipeline
 from helpers import (
     assert_same_training,
     held_out_loss,
-    make_image,
+    merge_sections,
+    run_job,
+    square_batch,
     straight_and_resumed,
     trainer_process,
-    write_job,
+    two_bucket_data,
 )
 from optimum.quanto import QModuleMixin
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from jobs.job import get_job
-from toolkit.config.loader import load_config
-from toolkit.config.schema import DatasetConfig
-from toolkit.data.dataset import build_dataset, load_pixels
 from toolkit.run.metrics import read_metrics
-
-
-def flux_data(folder):
-    """Three square and three wide images (buckets 64x64 and 96x48 at resolution 64, divisor 16)."""
-    if not folder.exists():
-        for i in range(3):
-            make_image(folder / f"square_{i}.png", (64, 64), color=(40 + 60 * i, 200 - 50 * i, 90), caption=f"blob {i}")
-            make_image(folder / f"wide_{i}.png", (96, 48), color=(200, 30 + 60 * i, 50 * i), caption=f"stripe {i}")
-    return folder
 
 
 def flux_process(tmp_path, name: str = "tiny", **overrides) -> dict:
     base = trainer_process(tmp_path, model={"arch": "flux", "name_or_path": name},
-                           datasets=[{"folder_path": str(flux_data(tmp_path / "data")), "resolution": [64]}],
+                           datasets=[{"folder_path": str(two_bucket_data(tmp_path / "data", lambda i: f"blob {i}")), "resolution": [64]}],
                            train={"batch_size": 2, "steps": 4, "lr": 1e-3, "dtype": "fp32", "seed": 42,
                                   "timestep_type": "shift", "timestep_params": {"dynamic_shift": name == "tiny"}})
-    for key, value in overrides.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return base
-
-
-def run_job(tmp_path, registry, name, process):
-    config, path = load_config(str(write_job(tmp_path / f"{name}.yaml", name, process)), registry)
-    job = get_job(config, path, registry)
-    job.run()
-    return job.processes[0], tmp_path / "output" / name
-
-
-def square_batch(folder, divisor):
-    dataset = build_dataset([DatasetConfig(folder_path=str(folder), resolution=[64])], "shp", divisor)
-    square = [item for item in dataset.items if item.bucket == (64, 64)]
-    return torch.stack([load_pixels(item) for item in square]), [item.record.caption for item in square]
+    return merge_sections(base, overrides)
 
 
 @pytest.mark.slow

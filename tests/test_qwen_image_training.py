@@ -13,48 +13,27 @@ from diffusers import QwenImagePipeline
 from helpers import (
     assert_same_training,
     held_out_loss,
-    make_image,
+    merge_sections,
+    run_job,
+    square_batch,
     straight_and_resumed,
     trainer_process,
-    write_job,
+    two_bucket_data,
 )
 from optimum.quanto import QModuleMixin
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from jobs.job import get_job
-from toolkit.config.loader import load_config
-from toolkit.config.schema import DatasetConfig
-from toolkit.data.dataset import build_dataset, load_pixels
 from toolkit.run.metrics import read_metrics
-
-
-def qwen_data(folder):
-    """Three square and three wide images (buckets 64x64 and 96x48 at resolution 64, divisor 16), with captions
-    of different token lengths."""
-    if not folder.exists():
-        for i in range(3):
-            make_image(folder / f"square_{i}.png", (64, 64), color=(40 + 60 * i, 200 - 50 * i, 90),
-                       caption="blob " + "very " * i + "round")
-            make_image(folder / f"wide_{i}.png", (96, 48), color=(200, 30 + 60 * i, 50 * i), caption=f"stripe {i}")
-    return folder
 
 
 def qwen_process(tmp_path, **overrides) -> dict:
     base = trainer_process(tmp_path, model={"arch": "qwen_image", "name_or_path": "tiny"},
-                           datasets=[{"folder_path": str(qwen_data(tmp_path / "data")), "resolution": [64]}],
+                           datasets=[{"folder_path": str(two_bucket_data(tmp_path / "data", lambda i: "blob " + "very " * i + "round")), "resolution": [64]}],
                            train={"batch_size": 2, "steps": 4, "lr": 1e-3, "dtype": "fp32", "seed": 42,
                                   "timestep_type": "shift", "timestep_params": {"dynamic_shift": True}})
-    for key, value in overrides.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return base
-
-
-def square_batch(folder, divisor):
-    dataset = build_dataset([DatasetConfig(folder_path=str(folder), resolution=[64])], "shp", divisor)
-    square = [item for item in dataset.items if item.bucket == (64, 64)]
-    return torch.stack([load_pixels(item) for item in square]), [item.record.caption for item in square]
+    return merge_sections(base, overrides)
 
 
 def render(pipe) -> np.ndarray:
@@ -78,11 +57,8 @@ def test_quantized_base_and_text_encoder_with_both_caches_and_its_lora_in_the_pi
                            sample={"prompts": ["shp, a blob"], "neg": "blurry", "width": 64, "height": 64,
                                    "sample_steps": 2})
     process["datasets"][0]["cache_latents"] = True
-    config, path = load_config(str(write_job(tmp_path / "q.yaml", "q", process)), registry)
-    job = get_job(config, path, registry)
     with caplog.at_level(logging.INFO, logger="difftune"):
-        job.run()
-    trainer, run_dir = job.processes[0], tmp_path / "output" / "q"
+        trainer, run_dir = run_job(tmp_path, registry, "q", process)
     phases = [r.memory["label"] for r in caplog.records if hasattr(r, "memory")]
     assert phases[:2] == ["transformer load and quantization", "text encoder, VAE load"], phases
     records = read_metrics(run_dir / "metrics.jsonl")

@@ -14,6 +14,7 @@ from helpers import (
     assert_same_training,
     held_out_loss,
     make_image,
+    merge_sections,
     straight_and_resumed,
     trainer_process,
     write_job,
@@ -46,9 +47,7 @@ def sdxl_data(folder):
 def sdxl_process(tmp_path, **overrides) -> dict:
     base = trainer_process(tmp_path, model={"arch": "sdxl", "name_or_path": "tiny"},
                            datasets=[{"folder_path": str(sdxl_data(tmp_path / "data")), "resolution": [64]}])
-    for key, value in overrides.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return base
+    return merge_sections(base, overrides)
 
 
 @pytest.fixture(scope="module")

@@ -10,24 +10,16 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, launch, trainer_process, write_job
+from helpers import REPO, launch, run_job, trainer_process, write_job
 from PIL import Image
 
 import run
-from jobs.job import get_job
-from toolkit.config.loader import ConfigError, load_config
+from toolkit.config.loader import ConfigError
 from toolkit.run import control
 from toolkit.run.metrics import read_metrics
 
 INSTRUMENTED = REPO / "tests" / "instrumented_run.py"
 PROMPTS = ["[trigger], a red circle", "a blue square"]
-
-
-def run_job(tmp, registry, name: str, process: dict):
-    config, path = load_config(str(write_job(tmp / f"{name}.yaml", name, process)), registry)
-    job = get_job(config, path, registry)
-    job.run()
-    return job.processes[0], tmp / "output" / name
 
 
 @pytest.fixture(scope="module")

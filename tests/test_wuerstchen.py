@@ -9,12 +9,11 @@ import pytest
 import torch
 from diffusers import DDPMWuerstchenScheduler
 from diffusers.pipelines.deprecated.wuerstchen import WuerstchenPrior, WuerstchenPriorPipeline
-from helpers import QUICKSTART_DATA, held_out_loss, trainer_process, write_job
+from helpers import QUICKSTART_DATA, held_out_loss, run_job, trainer_process, write_job
 from safetensors.torch import save_file
 from torchvision.transforms import Normalize
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from jobs.job import get_job
 from toolkit.config.loader import ConfigError, load_config
 from toolkit.config.schema import DatasetConfig
 from toolkit.data.dataset import build_dataset, load_pixels
@@ -29,13 +28,6 @@ UPDATES = 40
 def wuerstchen_process(tmp, **overrides) -> dict:
     base = {"model": TINY, "datasets": [{"folder_path": str(QUICKSTART_DATA), "resolution": [96]}]}
     return trainer_process(tmp, **{**base, **overrides})
-
-
-def run_job(tmp, registry, name: str, process: dict):
-    config, path = load_config(str(write_job(tmp / f"{name}.yaml", name, process)), registry)
-    job = get_job(config, path, registry)
-    job.run()
-    return job.processes[0], tmp / "output" / name
 
 
 @pytest.fixture(scope="module", params=["live", "cached"])

@@ -20,7 +20,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
-from toolkit.device import memory_debug, safe_module_to_device, to_device
+from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
 from toolkit.models.base import (
     LatentDist,
@@ -34,6 +34,7 @@ from toolkit.models.common import (
     dynamic_shift_schedule,
     encoder_identity,
     is_single_file,
+    place_frozen,
     vae_latent_dist,
     vae_latents,
 )
@@ -234,13 +235,7 @@ class FluxAdapter(ModelAdapter):
             with memory_debug("text encoder quantization", debug_memory):
                 quantize_blockwise(self.text_encoder_2, model_cfg.qtype_te, list(self.text_encoder_2.encoder.block),
                                    None, device)
-        encoders = (self.vae, self.text_encoder, self.text_encoder_2)
-        for module in encoders:
-            module.requires_grad_(False)
-            module.eval()
-        safe_module_to_device(self.transformer, device)
-        for module in encoders:
-            safe_module_to_device(module, "cpu" if model_cfg.low_vram else device)
+        place_frozen(self.transformer, [self.vae, self.text_encoder, self.text_encoder_2], device, model_cfg.low_vram)
 
     def quantization_blocks(self) -> list[torch.nn.Module]:
         """The double- then the single-stream blocks, quantized one at a time (peak memory: one block)."""

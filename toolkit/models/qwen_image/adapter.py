@@ -25,7 +25,7 @@ from diffusers import (
 )
 from transformers import AutoTokenizer, QuantoConfig, Qwen2_5_VLForConditionalGeneration
 
-from toolkit.device import memory_debug, safe_module_to_device, to_device
+from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
 from toolkit.models.base import (
     LatentDist,
@@ -39,6 +39,7 @@ from toolkit.models.common import (
     dynamic_shift_schedule,
     encoder_identity,
     is_single_file,
+    place_frozen,
     vae_latents,
 )
 from toolkit.models.qwen_image.config import FACTS, QwenImageModelConfig
@@ -203,7 +204,7 @@ class QwenImageAdapter(ModelAdapter):
                                         device, **kw)
         adapter = cls(transformer, *parts, source=source, max_sequence_length=model_cfg.max_sequence_length)
         adapter.compute_dtype = dtype
-        adapter.place(device, model_cfg.low_vram)
+        place_frozen(transformer, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
 
     @staticmethod
@@ -267,16 +268,6 @@ class QwenImageAdapter(ModelAdapter):
     #: projections, the text norm, the timestep embedding and the final norm and projection (small and
     #: precision-sensitive). The blocks' modulation linears are quantized with their blocks.
     QUANTIZATION_EXCLUDE = ("img_in", "txt_in", "txt_norm", "time_text_embed.*", "norm_out.*", "proj_out")
-
-    def place(self, device: torch.device, low_vram: bool) -> None:
-        """Freeze every part; the transformer on `device`, the text encoder and VAE too unless `low_vram`."""
-        encoders = (self.vae, self.text_encoder)
-        for module in (self.transformer, *encoders):
-            module.requires_grad_(False)
-            module.eval()
-        safe_module_to_device(self.transformer, device)
-        for module in encoders:
-            safe_module_to_device(module, "cpu" if low_vram else device)
 
     @property
     def device(self) -> torch.device:
@@ -347,9 +338,9 @@ class QwenImageAdapter(ModelAdapter):
         mask = embeds.attention_mask
         mask = None if mask is None or bool(mask.all()) else to_device(mask, device)  # a host tensor: no wait
         sigma = timesteps.float() / self.noise_schedule.num_train_timesteps
-        out = denoiser(hidden_states=packed, timestep=sigma.to(device, dtype), encoder_hidden_states=embeds.embeds.to(dtype),
-                       encoder_hidden_states_mask=mask, img_shapes=[[(1, height // 2, width // 2)]] * batch,
-                       return_dict=False)[0]
+        out = denoiser(hidden_states=packed, timestep=sigma.to(device, dtype),
+                       encoder_hidden_states=embeds.embeds.to(dtype), encoder_hidden_states_mask=mask,
+                       img_shapes=[[(1, height // 2, width // 2)]] * batch, return_dict=False)[0]
         unpacked = QwenImagePipeline._unpack_latents(out, height * self.vae_scale, width * self.vae_scale,
                                                      self.vae_scale)
         return unpacked.squeeze(2).float()
