@@ -112,6 +112,40 @@ def make_images(folder: Path, count: int, size: tuple[int, int] = (32, 32)) -> P
     return folder
 
 
+def write_mp4(path: Path, frames: int = 12, fps: int = 10, size: tuple[int, int] = (32, 32), level: int = 20) -> Path:
+    """An MPEG-4 clip of solid gray frames: frame k has gray level `level` x k (width, height: even)."""
+    import av
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for k in range(frames):
+            picture = av.VideoFrame.from_ndarray(np.full((size[1], size[0], 3), level * k, np.uint8), format="rgb24")
+            for packet in stream.encode(picture):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def write_gif(path: Path, frames: int = 6, duration_ms: int = 50, size: tuple[int, int] = (32, 32),
+              level: int = 20) -> Path:
+    """An animated GIF (or WebP, by the suffix) of solid gray frames: frame k has gray level `level` x k."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images = [Image.new("RGB", size, (level * k,) * 3) for k in range(frames)]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=duration_ms, loop=0)
+    return path
+
+
+def shown(frames, level: int = 20) -> list[int]:
+    """Which generated frame each decoded one is (`write_mp4`/`write_gif`'s frame k has gray level `level` x k;
+    lossy codecs keep it within a few steps): frames as uint8 [F, H, W, 3]."""
+    return [round(float(frame.mean()) / level) for frame in frames]
+
+
 def launch(job: Path, processes: int, cwd: Path, script: Path = REPO / "run.py",
            env: dict | None = None, timeout: int = 600, extra_jobs: list[str] = ()) -> subprocess.CompletedProcess:
     """`accelerate launch --multi_gpu --num_processes N run.py job [more jobs]` on the CPU (gloo), as a user

@@ -4,40 +4,13 @@ clip, a corrupt clip named."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from helpers import shown, write_gif, write_mp4
 from PIL import Image
 
 from toolkit.data.clips import ClipError, ClipInfo, clip_info, frame_indices, read_frames
 
-FRAMES, FPS, SIZE = 12, 10, 32
-
-
-def write_mp4(path, frames: int = FRAMES, fps: int = FPS):
-    import av
-
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width = stream.height = SIZE
-        stream.pix_fmt = "yuv420p"
-        for k in range(frames):
-            picture = av.VideoFrame.from_ndarray(np.full((SIZE, SIZE, 3), 20 * k, np.uint8), format="rgb24")
-            for packet in stream.encode(picture):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
-
-
-def write_gif(path, frames: int = 6, duration_ms: int = 50):
-    images = [Image.new("RGB", (SIZE, SIZE), (20 * k,) * 3) for k in range(frames)]
-    images[0].save(path, save_all=True, append_images=images[1:], duration=duration_ms, loop=0)
-    return path
-
-
-def shown(frames: np.ndarray) -> list[int]:
-    """Which generated frame each decoded one is (lossy codecs keep the gray level within a few steps)."""
-    return [round(float(frame.mean()) / 20) for frame in frames]
+FRAMES, FPS, SIZE = 12, 10, 32  # helpers.write_mp4's defaults
 
 
 def test_a_container_clips_count_rate_and_frames(tmp_path):

@@ -233,6 +233,7 @@ class FakeAdapter:
         self.module, _ = lora_module(dropout=dropout)
         self.noise_schedule = FlowMatchNoiseSchedule()
         self.predicted_in_training_mode: list[bool] = []
+        self.experts_seen: list[tuple[str | None, list[float]]] = []
 
     def trainable_module(self):
         return self.module
@@ -240,11 +241,40 @@ class FakeAdapter:
     def latents_from_dist(self, dist: LatentDist, generator=None):
         return dist.mean.float()
 
-    def predict(self, noisy, timesteps, embeds, module=None, image_sizes=None):
+    def expert_at(self, update_index: int):
+        return None
+
+    def predict(self, noisy, timesteps, embeds, module=None, image_sizes=None, expert=None):
         module = module or self.module
         self.predicted_in_training_mode.append(module.training)
+        self.experts_seen.append((None if expert is None else expert.name, timesteps.tolist()))
         flat = noisy.reshape(noisy.shape[0], -1)[:, :8] + embeds.embeds.reshape(embeds.embeds.shape[0], -1)[:, :8]
         return module(flat).reshape(noisy.shape[0], 8, 1, 1)
+
+
+class TwoExpertAdapter(FakeAdapter):
+    """Experts in turn per update: high noise [0.875, 1) on even updates, low noise [0, 0.875) on odd ones."""
+
+    def expert_at(self, update_index: int):
+        from toolkit.models.base import Expert
+
+        return Expert("high", (0.875, 1.0)) if update_index % 2 == 0 else Expert("low", (0.0, 0.875))
+
+
+def test_an_update_draws_timesteps_in_its_experts_range_and_predicts_with_it():
+    """The expert an update trains bounds its timesteps (the sampler's draw rescaled into the range, with
+    train.timestep_range inside it) and reaches predict, the blank-prompt base pass included."""
+    adapter = TwoExpertAdapter()
+    section = ObjectiveSection(timestep_type="shift", timestep_range=[0.0, 0.5], blank_prompt_preservation=True,
+                               blank_prompt_probability=1.0)
+    objective = DiffusionObjective(section, 3, adapter, blank_embeds=embeds(0.0))
+    for update in range(6):
+        adapter.experts_seen.clear()
+        objective.loss(batch(), embeds(), StepDraw(0, update, 0, update, 0.0))
+        low, high = (0.875, 0.875 + 0.125 * 0.5) if update % 2 == 0 else (0.0, 0.875 * 0.5)
+        names = {name for name, _ in adapter.experts_seen}
+        assert names == {"high" if update % 2 == 0 else "low"}
+        assert all(low * 1000 <= t <= high * 1000 for _, ts in adapter.experts_seen for t in ts), adapter.experts_seen
 
 
 def batch() -> dict:

@@ -159,8 +159,10 @@ class BaseSDTrainProcess(BaseProcess):
         `pretrained_lora_path` when given and the file has it); the optimizer's parameter groups: the denoiser's at
         `train.lr`, the text encoders' at `train.text_encoder_lr`."""
         network, train, adapter = self.config.network, self.config.train, self.adapter
-        module = adapter.trainable_module()
-        groups = [{"params": add_lora(module, network, adapter.lora_target_modules(), adapter.conv_target_modules())}]
+        denoiser_params = [param for module in adapter.denoisers()  # one denoiser, or each trained expert
+                           for param in add_lora(module, network, adapter.lora_target_modules(),
+                                                 adapter.conv_target_modules())]
+        groups = [{"params": denoiser_params}]
         self.text_params: list[torch.nn.Parameter] = []
         #: the text encoders' LR of the last update (None while they do not train)
         self.text_encoder_lr: float | None = None
@@ -181,9 +183,19 @@ class BaseSDTrainProcess(BaseProcess):
 
     def load_pretrained_components(self, path: Path) -> None:
         """The denoiser's adapter from the file (it must fit); each text encoder's where the file has it, else that
-        one starts fresh (said so)."""
-        denoiser, *text = self.components
-        load_component(denoiser, path, others_trained=bool(text))
+        one starts fresh (said so). Denoisers with files of their own (experts) load from the file of their part
+        (`x_high_noise.safetensors` and `x_low_noise.safetensors` for any of them given); one without a file starts
+        fresh."""
+        denoisers = [c for c in self.components if not c.text_encoder]
+        text = [c for c in self.components if c.text_encoder]
+        if len(denoisers) == 1:
+            load_component(denoisers[0], path, others_trained=bool(text))
+        for component in denoisers if len(denoisers) > 1 else []:
+            own = part_file(path, component.file_part, [c.file_part for c in denoisers])
+            if own.is_file():
+                load_component(component, own)
+            else:
+                log.info("no %s for the %s LoRA: it starts fresh", own, component.file_part)
         for component in text:
             if file_has_component(path, component):
                 load_component(component, path, others_trained=True)
@@ -207,6 +219,9 @@ class BaseSDTrainProcess(BaseProcess):
         per real update here, whatever the process count)."""
         acc = self.accelerator
         dataloader = self.data.make_dataloader(pin_memory=acc.device.type == "cuda")
+        if len(self.adapter.denoisers()) > 1:
+            # experts: an update trains one of them, so the others' LoRA gets no gradient that update
+            self.runtime.allow_unused_parameters()
         self.keep_frozen_out_of_ddp(self.adapter.trainable_module())
         module, self.optimizer, self.data.dataloader = acc.prepare(self.adapter.trainable_module(), self.optimizer,
                                                                    dataloader)
@@ -217,7 +232,7 @@ class BaseSDTrainProcess(BaseProcess):
                 param.data = broadcast(param.data, from_process=0)
         self.trained_module = module
         #: what switches between training and eval mode: the wrapped denoiser and any trained text encoders
-        self.trained_modules = [module, *(c.module for c in self.components[1:])]
+        self.trained_modules = [module, *(c.module for c in self.components if c.text_encoder)]
         real = len(self.data.dataloader)
         if real != self.plan.micro_batches_per_epoch:
             log.warning("the dataloader yields %d micro-batches per process per epoch, the plan said %d; "
@@ -408,7 +423,9 @@ class BaseSDTrainProcess(BaseProcess):
     def report_already_complete(self) -> None:
         log.info("training is already complete at step %d (train.steps / epochs give %d); raise them to continue",
                  self.position.global_step, self.plan.total_updates)
-        if self.accelerator.is_main_process and not self.folder.final_lora.exists():
+        first_part = self.components[0].file_part
+        if self.accelerator.is_main_process and not self.folder.final_lora_form(
+                self.adapter.files.primary, self.adapter.files.primary, first_part).exists():
             self.write_final_loras()
         self.monitor.write_report()
         self.monitor.ended("finished", self.position.global_step)
@@ -472,16 +489,29 @@ class BaseSDTrainProcess(BaseProcess):
         <name>.<form>.safetensors, with the metadata `save.metadata` asks for."""
         files = self.adapter.files
         metadata = lora_metadata(self.training_facts(self.position.global_step), self.config.save.metadata)
-        for form in self.final_forms():
-            path = self.folder.final_lora_form(form, files.primary)
-            self.write_lora_form(form, path, metadata)
-            log.info("saved LoRA %s (%s form)", path, form)
+        parts = dict.fromkeys(c.file_part for c in self.components)  # one file per part, in order
+        for part in parts:
+            components = [c for c in self.components if c.file_part == part]
+            for form in self.final_forms():
+                path = self.folder.final_lora_form(form, files.primary, part)
+                self.write_lora_form(form, path, metadata, components)
+                log.info("saved LoRA %s (%s form)", path, form)
 
-    def write_lora_form(self, form: str, path: Path, metadata: dict[str, str]) -> None:
+    def write_lora_form(self, form: str, path: Path, metadata: dict[str, str], components) -> None:
         dtype, hashes = DTYPES[self.config.save.dtype], self.config.save.metadata != "minimal"
         if form == "diffusers":
-            write_components_file(path, self.components, dtype, metadata, hashes)
+            write_components_file(path, components, dtype, metadata, hashes)
         elif form == "peft":  # the denoiser only (the config refuses peft folders with a trained text encoder)
-            write_peft_folder(path, self.components[0].module, dtype)
+            write_peft_folder(path, components[0].module, dtype)
         else:
-            write_comfy_file(path, self.components, dtype, metadata, hashes)
+            write_comfy_file(path, components, dtype, metadata, hashes)
+
+
+def part_file(path: Path, part: str, parts: list[str]) -> Path:
+    """The file of `part` beside `path`, a file of any of `parts` (`x_high_noise.safetensors` ->
+    `x_low_noise.safetensors`), or `path` itself when it names no part."""
+    stem = path.stem
+    for other in parts:
+        if stem.endswith(f"_{other}"):
+            return path.with_name(f"{stem[: -len(other) - 1]}_{part}{path.suffix}")
+    return path

@@ -1,5 +1,5 @@
 """Checks of a validated process config against the file system, run before any model loads: the dataset
-folders exist and hold images, and every configured path exists. Kept apart from the schema so that a config can be read and checked
+folders exist and hold samples (images; for video families clips too), and every configured path exists. Kept apart from the schema so that a config can be read and checked
 for its shape anywhere (e.g. the shipped examples, which name folders of the user's)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from toolkit.data.media import IMAGE_EXTENSIONS, sample_files
+from toolkit.data.media import clip_files, sample_extensions, sample_files
 from toolkit.errors import PathNotFound
 from toolkit.paths import normalize_path
 
@@ -20,14 +20,22 @@ PATH_KEYS = ("name_or_path", "single_file_config", "image_encoder_path", "decode
 def path_problems(process: BaseModel) -> list[str]:
     """Every missing dataset folder and local-looking configured path, each named by its key."""
     problems = []
+    model = getattr(process, "model", None)
+    facts = getattr(model, "facts", None)  # the family's FamilyFacts (a class attribute of its config)
+    video = bool(facts is not None and facts.video)
     for index, dataset in enumerate(getattr(process, "datasets", None) or []):
         folder = Path(dataset.folder_path).expanduser()
         if not folder.is_dir():
             problems.append(f"datasets[{index}].folder_path: folder not found: {dataset.folder_path}")
-        elif not sample_files(folder):
-            problems.append(f"datasets[{index}].folder_path: no images ({', '.join(IMAGE_EXTENSIONS)}) in "
-                            f"{dataset.folder_path}")
-    model = getattr(process, "model", None)
+        elif not sample_files(folder, video):
+            kinds = "images or clips" if video else "images"
+            problem = (f"datasets[{index}].folder_path: no {kinds} ({', '.join(sample_extensions(video))}) in "
+                       f"{dataset.folder_path}")
+            clips = [] if video else clip_files(folder)
+            if clips:
+                family = getattr(facts, "title", "") or "this model family"
+                problem += f" (its {len(clips)} clip file(s) are not used: {family} trains on images)"
+            problems.append(problem)
     sections = [("model", model)] + [(f"model.{name}", getattr(model, name)) for name in ("sampling",)
                                       if isinstance(getattr(model, name, None), BaseModel)]
     for prefix, section in sections:

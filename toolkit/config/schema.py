@@ -85,9 +85,28 @@ class SDTrainerConfig(Section):
                             "prompt would not apply; remove it")
         if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
             problems.append(f"sample.guidance_rescale: the {arch} sampling pipeline has no guidance rescale; remove it")
+        problems += self._frame_problems(facts, arch)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _frame_problems(self, facts, arch: str) -> list[str]:
+        """Frame counts and rates only where the family trains on clips, and only counts it takes."""
+        problems = []
+        for index, dataset in enumerate(self.datasets):
+            problem = facts.frame_count_problem(dataset.num_frames)
+            if problem:
+                problems.append(f"datasets[{index}].num_frames: {problem}")
+            if dataset.fps is not None and not facts.video:
+                problems.append(f"datasets[{index}].fps: the {arch} family ({facts.title}) trains on images only; "
+                                "remove it")
+        if self.sample.num_frames is not None:
+            problem = facts.frame_count_problem(self.sample.num_frames)
+            if problem:
+                problems.append(f"sample.num_frames: {problem}")
+        if self.sample.fps is not None and not facts.video:
+            problems.append(f"sample.fps: the {arch} family ({facts.title}) renders images; remove it")
+        return problems
 
     @model_validator(mode="after")
     def _text_encoder_lora_fits(self) -> SDTrainerConfig:

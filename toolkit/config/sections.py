@@ -128,6 +128,16 @@ class DatasetConfig(Section):
                                         "the cache folder, reused by later runs; processes share the work.")
     cache_dir: str | None = Field(None, description="Cache folder; default `<folder_path>/_difftune_cache`. "
                                   "Safe to delete.")
+    num_frames: int = Field(1, ge=1, description="Video families: frames per training clip (the family says which "
+                            "counts are valid, e.g. 4k + 1 for wan). Clips (mp4, webm, mov, gif, animated webp) "
+                            "give this many frames from their start; an image is a one-frame clip.",
+                            json_schema_extra=aka("frames", "target_frames"))
+    fps: float | None = Field(None, gt=0, description="Video families: read clips at this frame rate (frames "
+                              "skipped or repeated to match); default each clip's own rate.",
+                              json_schema_extra=aka("frame_rate", "target_fps"))
+    short_clips: Literal["refuse", "loop"] = Field(
+        "refuse", description="A clip with fewer than `num_frames` frames (at `fps`): `refuse` stops with its name, "
+        "`loop` reads it round again from its start.")
 
     @field_validator("resolution", mode="before")
     @classmethod
@@ -381,6 +391,11 @@ class SampleConfig(Section):
     width: int = Field(512, ge=8, description="Sample width in pixels (a multiple of the model's divisor).")
     height: int = Field(512, ge=8, description="Sample height in pixels (a multiple of the model's divisor).")
     sample_at_start: bool = Field(False, description="Also render a baseline before the first update.")
+    num_frames: int | None = Field(None, ge=1, description="Video families: frames per sample video (the family's "
+                                   "valid counts, e.g. 4k + 1 for wan); default per family: wan 81.",
+                                   json_schema_extra=aka("frames"))
+    fps: float | None = Field(None, gt=0, description="Video families: frame rate the sample videos are written at; "
+                              "default per family: wan 16 (Wan 2.2 TI2V-5B 24).")
     guidance_rescale: float | None = Field(None, ge=0, le=1, description="Rescale the guided prediction toward the "
                                            "conditional one's spread (0.7 is usual with v-prediction and zero "
                                            "terminal SNR); families whose pipeline takes it (sd15, sdxl).",

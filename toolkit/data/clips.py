@@ -4,9 +4,7 @@ sample takes (a count at a frame rate, from the start; a short clip refused or l
 Containers (`.mp4`, `.webm`, `.mov`) are read with PyAV (ffmpeg's decoders, in wheels on every platform); GIF and
 animated WebP with Pillow, which reads their per-frame durations. A still image reads as a one-frame clip. One clip
 is decoded at a time, frame by frame, keeping only the frames asked for; nothing holds a folder in memory.
-
-Not yet used by the dataset: the video families' wiring (datasets[].num_frames / fps / short_clips, buckets by
-frames) builds on these."""
+toolkit/data/dataset.py reads a video family's clips with these (datasets[].num_frames / fps / short_clips)."""
 
 from __future__ import annotations
 
@@ -69,9 +67,16 @@ def _container_info(path: Path) -> ClipInfo:
 def _image_info(path: Path) -> ClipInfo:
     with Image.open(path) as image:
         frames = getattr(image, "n_frames", 1)
-        durations = [frame.info.get("duration", 0) for frame in ImageSequence.Iterator(image)] if frames > 1 else []
+        # WebP states a frame's duration only once the frame is loaded (GIF on seeking)
+        durations = ([_loaded(frame).info.get("duration", 0) for frame in ImageSequence.Iterator(image)]
+                     if frames > 1 else [])
         mean_ms = sum(durations) / len(durations) if durations else 0
         return ClipInfo(frames, 1000.0 / mean_ms if mean_ms > 0 else 0.0, image.width, image.height)
+
+
+def _loaded(frame: Image.Image) -> Image.Image:
+    frame.load()
+    return frame
 
 
 def frame_indices(info: ClipInfo, num_frames: int, fps: float | None = None, short: ShortClips = "refuse",

@@ -1,10 +1,11 @@
-"""Latent cache: each image encoded once, per augmentation variant, keyed by content.
+"""Latent cache: each image or clip encoded once, per augmentation variant, keyed by content.
 
-A cache key is a hash of the image file's bytes, the variant (bucket size and crop) and the encoder's
-identity (model path, dtype and config), so replacing an image under the same name, or changing the
-model, is a cache miss instead of a stale latent. Entries store the encoder's mean and std, not a
-sample, so every epoch still draws its own latent sample as an uncached run does, and the image's size facts
-(original size, crop, target size: SDXL's conditioning) as the encoded pixels were made.
+A cache key is a hash of the file's bytes, the variant (bucket size and crop; for a clip also the source frames
+it takes, so `num_frames`, `fps` and looping change it where they change the frames) and the encoder's identity
+(model path, dtype and config), so replacing an image under the same name, or changing the model, is a cache
+miss instead of a stale latent. A clip is encoded as one [1, 3, F, H, W] video. Entries store the encoder's mean
+and std, not a sample, so every epoch still draws its own latent sample as an uncached run does, and the image's
+size facts (original size, crop, target size: SDXL's conditioning) as the encoded pixels were made.
 
 On disk: `<cache_dir>/latents/<key>.safetensors`, written under a temporary name and renamed, so a
 partly written file is never read. In memory: every process encodes every image it may be given.
@@ -57,6 +58,8 @@ class LatentCache:
         if path not in self._digests:
             self._digests[path] = file_digest(path)
         variant = f"{item.bucket[0]}x{item.bucket[1]}-center"
+        if item.record.clip is not None:  # images keep the keys they always had
+            variant += "-frames" + ",".join(str(index) for index in item.record.clip.indices)
         return hashlib.sha256(f"{self._digests[path]}|{variant}|{self.identity}".encode()).hexdigest()[:32]
 
     def path(self, index: int) -> Path:

@@ -4,9 +4,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+#: still images, the samples of every family (a `.webp` may be animated: a clip in a video family, its first frame
+#: in an image family)
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+#: video clips (containers PyAV decodes, and GIF), samples of video families only; toolkit/data/clips.py reads them
+CLIP_EXTENSIONS = (".mp4", ".webm", ".mov", ".gif")
 
 
-def sample_files(folder: Path) -> list[Path]:
-    """The image files of a dataset folder, sorted by name (unreadable ones are found when read)."""
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+def sample_extensions(video: bool) -> tuple[str, ...]:
+    """The extensions of a dataset folder's samples: images, and clips too for a video family."""
+    return IMAGE_EXTENSIONS + CLIP_EXTENSIONS if video else IMAGE_EXTENSIONS
+
+
+def sample_files(folder: Path, video: bool = False) -> list[Path]:
+    """The sample files of a dataset folder, sorted by name: its images, and with `video` its clips too (unreadable
+    ones are found when read)."""
+    extensions = sample_extensions(video)
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in extensions)
+
+
+def clip_files(folder: Path) -> list[Path]:
+    """A folder's clip files (`CLIP_EXTENSIONS`), sorted by name: what an image family leaves out."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in CLIP_EXTENSIONS)

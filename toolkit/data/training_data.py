@@ -31,7 +31,8 @@ class TrainingData:
         self.adapter = adapter
         self.placement = placement
         self.dataset: ImageDataset = build_dataset(datasets, trigger_word, adapter.divisor,
-                                                   sizes=adapter.facts.size_conditioning)
+                                                   sizes=adapter.facts.size_conditioning,
+                                                   frame_step=adapter.facts.frame_step, family=adapter.facts.title)
         self.batch_sampler = BucketBatchSampler(self.dataset.bucket_keys(), train.batch_size, train.seed)
         self.conditioning: LiveCaptions | CachedCaptions | None = None
         self.dataloader = None

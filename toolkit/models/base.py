@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -121,6 +121,15 @@ class LoraComponent:
     #: {module path prefix: the diffusers file's path} (a CLIP text model's `text_model.` level, see
     #: `clip_text_model_renames`)
     diffusers_renames: dict[str, str] = field(default_factory=dict)
+    #: the final files this component goes in: "" for <name>.safetensors (with the other components), else
+    #: <name>_<file_part>.safetensors of its own (a family with several denoisers writes one file per denoiser, each
+    #: loadable alone: Wan 2.2's `high_noise` and `low_noise` experts)
+    file_part: str = ""
+
+    def in_checkpoint(self) -> LoraComponent:
+        """The component as a checkpoint (which holds every component in one file) names it: components with a file
+        part of their own share their files' prefix, so there it goes under the part (`high_noise.transformer`)."""
+        return replace(self, prefix=f"{self.file_part}.{self.prefix}", file_part="") if self.file_part else self
 
 
 def text_encoder_component(module: torch.nn.Module, prefix: str, comfy_prefix: str) -> LoraComponent:
@@ -144,6 +153,16 @@ def clip_text_model_renames(module: torch.nn.Module) -> dict[str, str]:
     if "text_model" in names:
         return {}
     return {name: f"text_model.{name}" for name in ("embeddings", "encoder", "final_layer_norm") if name in names}
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One of several denoisers a family routes between by noise level (Wan 2.2 A14B: the high-noise and low-noise
+    transformers), as training sees it: an update trains one expert, on noise levels of its range only."""
+
+    name: str
+    #: [low, high) of u (the noise level, timestep / num_train_timesteps) this expert denoises
+    u_range: tuple[float, float]
 
 
 class TextRules:
@@ -178,6 +197,9 @@ class SamplingParts(ABC):
     #: them properties of its loaded model)
     default_guidance_scale: ClassVar[float] = 7.0
     default_steps: ClassVar[int] = 20
+    #: video families: `sample.num_frames` and `sample.fps` when unset
+    default_frames: ClassVar[int] = 1
+    default_fps: ClassVar[float] = 16.0
 
     def __init__(self, adapter: ModelAdapter):
         self.adapter = adapter
@@ -268,9 +290,12 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
+                expert: Expert | None = None) -> torch.Tensor:
         """The denoiser's output; through `module` when given (e.g. the bare module, adapters disabled),
-        else through the module set by `use_for_training`. `image_sizes` ([B, 6] integers: original height and
+        else through the module set by `use_for_training`. `expert`: where the family routes between experts, the
+        one the timesteps belong to (training passes the update's, see `expert_at`; without it the family routes by
+        the timesteps); the other families ignore it. `image_sizes` ([B, 6] integers: original height and
         width, crop top and left, target height and width, as `toolkit.data.dataset.image_sizes` gives them) is
         for families conditioned on them (SDXL); the others ignore it."""
 
@@ -315,6 +340,16 @@ class ModelAdapter(ABC):
         """What the LoRA trains: the trainable module as `files` names it, then the text encoders when asked."""
         denoiser = denoiser_component(self.trainable_module(), self.files)
         return [denoiser, *(self.text_encoder_components() if text_encoders else [])]
+
+    def denoisers(self) -> list[torch.nn.Module]:
+        """The modules the LoRA is added to: the trainable module, or where it routes between several denoisers
+        (experts), each trained one."""
+        return [self.trainable_module()]
+
+    def expert_at(self, update_index: int) -> Expert | None:
+        """The expert update `update_index` trains (its timesteps are drawn in the expert's range), where the family
+        has several; None otherwise. A pure function of the update index, so every process and a resumed run agree."""
+        return None
 
     def use_zero_terminal_snr(self) -> None:
         """Rescale the noise schedule to zero terminal SNR (`train.zero_terminal_snr`), in training and in samples;

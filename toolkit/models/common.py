@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import torch
 from diffusers import DDPMScheduler
@@ -113,3 +114,39 @@ def dynamic_shift_schedule(config) -> ShiftSchedule | None:
 def is_single_file(source: str) -> bool:
     """A single-file checkpoint (rather than a diffusers folder or hub id)."""
     return source.endswith((".safetensors", ".ckpt"))
+
+
+#: config qtype -> transformers' QuantoConfig weights (text encoders quantized by transformers as they load)
+TRANSFORMERS_QUANTO = {"qfloat8": "float8", "qint8": "int8", "qint4": "int4"}
+
+
+def transformers_quantization(qtype: str | None, device: torch.device) -> dict:
+    """`from_pretrained` arguments that quantize a transformers model with quanto as its weights load (onto the
+    accelerator, where quantizing is fast), or none without `qtype`."""
+    if not qtype:
+        return {}
+    from transformers import QuantoConfig
+
+    from toolkit.quantize import keep_qfloat8_off_marlin, keep_quantized_linear_dtypes_matched
+
+    keep_qfloat8_off_marlin()
+    keep_quantized_linear_dtypes_matched()
+    arguments = {"quantization_config": QuantoConfig(weights=TRANSFORMERS_QUANTO[qtype])}
+    if device.type != "cpu":
+        arguments["device_map"] = {"": str(device)}
+    return arguments
+
+
+def subfolder_weight_files(source: str, subfolder: str, variant: str | None, revision: str | None) -> list[Path]:
+    """The safetensors files of one model in a diffusers folder, or in a hub repo (its weight files of `variant`
+    only, from the local hub cache or downloaded): for reading them layer by layer (toolkit.quantize)."""
+    from toolkit.quantize import weight_files
+
+    if Path(source).is_dir():
+        return weight_files(Path(source) / subfolder, variant)
+    from huggingface_hub import snapshot_download
+
+    weights = f"{subfolder}/*.{variant}.safetensors" if variant else f"{subfolder}/*.safetensors"
+    folder = snapshot_download(source, allow_patterns=[f"{subfolder}/*.json", weights], revision=revision,
+                               ignore_patterns=None if variant else [f"{subfolder}/*.*.safetensors"])
+    return weight_files(Path(folder) / subfolder, variant)

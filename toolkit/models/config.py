@@ -34,6 +34,23 @@ class FamilyFacts:
     #: samples use a negative prompt (`sample.neg`); guidance-distilled samplers without classifier-free guidance
     #: have none
     negative_prompt: bool = True
+    #: a video family: training clips and samples have `frame_step` x k + 1 frames (the VAE's temporal
+    #: compression; Wan: 4, so 1, 5, 9, ... 81); 0 for image-only families (clips and `num_frames` refused)
+    frame_step: int = 0
+
+    @property
+    def video(self) -> bool:
+        return self.frame_step > 0
+
+    def frame_count_problem(self, frames: int) -> str | None:
+        """Why `frames` is not a frame count this family takes, or None when it is."""
+        if not self.video:
+            return None if frames == 1 else f"{self.title} trains on images only (1 frame)"
+        if (frames - 1) % self.frame_step:
+            below = (frames - 1) // self.frame_step * self.frame_step + 1
+            return (f"{self.title} takes {self.frame_step}k + 1 frames (e.g. {below} or "
+                    f"{below + self.frame_step}), not {frames}")
+        return None
 
 
 class ModelConfigBase(Section):

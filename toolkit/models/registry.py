@@ -27,6 +27,7 @@ FAMILIES: dict[str, Family] = {family.arch: family for family in (
            "toolkit.models.qwen_image.adapter:QwenImageAdapter"),
     Family("sd15", "toolkit.models.sd15.config:SD15ModelConfig", "toolkit.models.sd15.adapter:SD15Adapter"),
     Family("sdxl", "toolkit.models.sdxl.config:SDXLModelConfig", "toolkit.models.sdxl.adapter:SDXLAdapter"),
+    Family("wan", "toolkit.models.wan.config:WanModelConfig", "toolkit.models.wan.adapter:WanAdapter"),
     Family("wuerstchen", "toolkit.models.wuerstchen.config:WuerstchenModelConfig",
            "toolkit.models.wuerstchen.adapter:WuerstchenAdapter"),
     Family("zimage", "toolkit.models.zimage.config:ZImageModelConfig", "toolkit.models.zimage.adapter:ZImageAdapter"),

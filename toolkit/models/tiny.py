@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import string
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,17 @@ def byte_level_clip_tokenizer(max_length: int = 77):
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
     tokenizer.model_max_length = max_length
     return tokenizer
+
+
+def unigram_t5_tokenizer():
+    """A T5 tokenizer over single characters and a few word starts (Unigram, like T5's sentencepiece model):
+    any ASCII text tokenizes, `</s>` ends every prompt, `<pad>` pads; nothing is downloaded."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -3.0) for c in string.printable if not c.isspace()]
+    pieces += [("\u2581" + c, -2.5) for c in string.ascii_letters + string.digits]
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
 def ensure_tiny(name: str, preset: dict, build: Callable[[Path, dict], None]) -> Path:

@@ -99,6 +99,11 @@ class RunAccelerator:
         )
         self.host_group = host_process_group(self.accelerator.num_processes)
 
+    def allow_unused_parameters(self) -> None:
+        """Before the model is prepared: DDP expects parameters of the wrapped model that get no gradient in a step
+        (e.g. the experts an update does not train); their gradients stay unset, so the optimizer skips them."""
+        self.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+
     def close(self) -> None:
         if self.host_group is not None:
             torch.distributed.destroy_process_group(self.host_group)

@@ -220,6 +220,11 @@ class TrainedParts:
     lr_scheduler: Any
     scaler: Any = None
 
+    @property
+    def in_checkpoint(self) -> list[LoraComponent]:
+        """The components under the names a checkpoint's one LoRA file gives them (see LoraComponent.in_checkpoint)."""
+        return [component.in_checkpoint() for component in self.components]
+
 
 class Checkpoints:
     """Saving and resuming, in one part. `save` is collective: every rank writes its RNG file, the main process the
@@ -280,7 +285,7 @@ class Checkpoints:
         from toolkit.network.lora import write_components_file
 
         parts = self.parts
-        write_components_file(folder / LORA_FILE, parts.components, torch.float32, self.lora_metadata(step))
+        write_components_file(folder / LORA_FILE, parts.in_checkpoint, torch.float32, self.lora_metadata(step))
         torch.save(parts.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         torch.save(parts.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         if parts.scaler is not None:
@@ -321,16 +326,16 @@ class Checkpoints:
             read_components_file,
         )
 
-        parts = self.parts
+        parts, components = self.parts, self.parts.in_checkpoint
         lora_file = folder / LORA_FILE
-        saved_lora = load_safetensors(lora_file, lambda path: read_components_file(path, parts.components))
-        problems = compare_lora_state(components_state_dict(parts.components, torch.float32), saved_lora)
+        saved_lora = load_safetensors(lora_file, lambda path: read_components_file(path, components))
+        problems = compare_lora_state(components_state_dict(components, torch.float32), saved_lora)
         saved_optimizer = load_torch(folder / OPTIMIZER_FILE)
         problems += [f"{OPTIMIZER_FILE}: {problem}" for problem in optimizer_problems(saved_optimizer, parts.optimizer)]
         if problems:
             raise CheckpointError(f"checkpoint {folder} does not match the current config: " + "; ".join(problems))
         with memory_debug("LoRA load", self.debug_memory):
-            for component in parts.components:
+            for component in components:
                 load_lora_state(component.module, saved_lora, component.prefix, str(lora_file))
         for change in load_optimizer_keeping_hyperparameters(parts.optimizer, saved_optimizer):
             log.info("optimizer setting changed since the checkpoint: %s", change)

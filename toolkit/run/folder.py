@@ -34,17 +34,23 @@ class RunFolder:
     def final_lora(self) -> Path:
         return self.root / f"{self.name}.safetensors"
 
-    def final_lora_form(self, form: str, primary: str) -> Path:
+    def final_lora_form(self, form: str, primary: str, part: str = "") -> Path:
         """Where the finished LoRA in `form` goes: <name>.safetensors for the family's primary form,
-        <name>.<form>.safetensors for the others, the folder <name>_peft/ for peft's own."""
+        <name>.<form>.safetensors for the others, the folder <name>_peft/ for peft's own; a component with a file of
+        its own (an expert, `part`) <name>_<part>.safetensors and so on."""
+        stem = f"{self.name}_{part}" if part else self.name
         if form == "peft":
-            return self.root / f"{self.name}_peft"
-        return self.final_lora if form == primary else self.root / f"{self.name}.{form}.safetensors"
+            return self.root / f"{stem}_peft"
+        return self.root / (f"{stem}.safetensors" if form == primary else f"{stem}.{form}.safetensors")
 
     def final_loras(self) -> list[Path]:
-        """The finished LoRA files there are: <name>.safetensors, its other forms, the peft folder."""
-        return sorted([*self.root.glob(f"{self.name}.safetensors"), *self.root.glob(f"{self.name}.*.safetensors"),
-                       *[p for p in [self.root / f"{self.name}_peft"] if p.exists()]])
+        """The finished LoRA files there are: <name>.safetensors, its other forms, the peft folder, and those of
+        components with files of their own (<name>_<part>...)."""
+        name = self.name
+        files = [*self.root.glob(f"{name}.safetensors"), *self.root.glob(f"{name}.*.safetensors"),
+                 *self.root.glob(f"{name}_*.safetensors")]
+        folders = [p for p in self.root.glob(f"{name}*_peft") if p.is_dir()]
+        return sorted(set(files + folders))
 
     @property
     def metrics(self) -> Path:

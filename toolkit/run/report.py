@@ -17,6 +17,7 @@ from PIL import Image
 
 from toolkit.files import write_text_atomic
 from toolkit.run.metrics import read_metrics
+from toolkit.run.video import VIDEO_EXTENSIONS, video_metadata
 
 REPORT_FILE = "report.html"
 PLAN_FILE = "plan.json"
@@ -25,7 +26,7 @@ NOT_SERIES = {"step", "epoch"}
 #: exponential smoothing of the loss curve (the weight of the newest point)
 SMOOTHING = 0.1
 WIDTH, HEIGHT, PAD = 640, 180, 36
-SAMPLE_NAME = re.compile(r"^step_(\d{9})_(\d+)\.png$")
+SAMPLE_NAME = re.compile(r"^step_(\d{9})_(\d+)\.(png|mp4|webp)$")
 
 
 def numeric_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -92,7 +93,7 @@ def sample_grid(run_dir: Path, last_step: int | None) -> str:
     checkpoint belong to abandoned steps); each cell the relative image path (prompt in its PNG text)."""
     folder = run_dir / "samples"
     found: dict[int, dict[int, str]] = {}
-    for path in sorted(folder.glob("step_*.png")) if folder.is_dir() else []:
+    for path in sorted(folder.glob("step_*")) if folder.is_dir() else []:
         match = SAMPLE_NAME.match(path.name)
         if match and (last_step is None or int(match.group(1)) <= last_step):
             found.setdefault(int(match.group(2)), {})[int(match.group(1))] = f"samples/{path.name}"
@@ -102,15 +103,25 @@ def sample_grid(run_dir: Path, last_step: int | None) -> str:
     head = "".join(f"<th>step {step}</th>" for step in steps)
     rows = []
     for index in sorted(found):
-        cells = "".join(f'<td><img src="{html.escape(found[index][step])}" loading="lazy"></td>'
-                        if step in found[index] else "<td></td>" for step in steps)
+        cells = "".join(f"<td>{sample_cell(found[index][step])}</td>" if step in found[index] else "<td></td>"
+                        for step in steps)
         prompt = html.escape(sample_prompt(run_dir / found[index][max(found[index])]))
         rows.append(f'<tr><th title="{prompt}">prompt {index}<br><small>{prompt}</small></th>{cells}</tr>')
     return f'<table class="samples"><tr><th></th>{head}</tr>{"".join(rows)}</table>'
 
 
+def sample_cell(relative: str) -> str:
+    """A sample image, or a sample video playing in a loop (muted, so browsers autoplay it)."""
+    source = html.escape(relative)
+    if relative.endswith(".mp4"):
+        return f'<video src="{source}" autoplay loop muted playsinline preload="metadata"></video>'
+    return f'<img src="{source}" loading="lazy">'
+
+
 def sample_prompt(path: Path) -> str:
-    """The prompt a sample was rendered with (PNG text), or '' for a file without it."""
+    """The prompt a sample was rendered with (PNG text, a video's metadata), or '' for a file without it."""
+    if path.suffix.lower() in VIDEO_EXTENSIONS:
+        return video_metadata(path).get("prompt", "")
     try:
         with Image.open(path) as image:
             return image.text.get("prompt", "")
@@ -146,7 +157,7 @@ body { font-family: sans-serif; margin: 1.5em; color: #222; }
 polyline { fill: none; stroke-width: 1.2; }
 polyline.raw { stroke: #9ab; } polyline.smooth { stroke: #c33; stroke-width: 2; }
 text { font-size: 11px; fill: #555; }
-.samples img { width: 160px; } .samples th { font-weight: normal; font-size: 12px; max-width: 12em; }
+.samples img, .samples video { width: 160px; } .samples th { font-weight: normal; font-size: 12px; max-width: 12em; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 12px; }
 """
 

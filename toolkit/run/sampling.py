@@ -6,6 +6,7 @@ import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL.PngImagePlugin import PngInfo
 from tqdm.auto import tqdm
@@ -16,10 +17,12 @@ from toolkit.device import ModulePlacement, flush, memory_debug, modules_on
 from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter
+from toolkit.run.video import write_video
 
 
 class SampleRenderer:
-    """Renders `sample.prompts` with fixed seeds to `samples/step_XXXXXXXXX_<i>.png`."""
+    """Renders `sample.prompts` with fixed seeds to `samples/step_XXXXXXXXX_<i>.png` (video families:
+    `.mp4`, or `.webp` where no H.264 encoder is available; toolkit.run.video), what rendered each in its metadata."""
 
     def __init__(self, cfg: SampleConfig, trigger_word: str | None, folder: Path, model_name: str):
         self.cfg = cfg
@@ -61,6 +64,26 @@ class SampleRenderer:
     def seed_for(self, index: int) -> int:
         return self.cfg.seed + index if self.cfg.walk_seed else self.cfg.seed
 
+    def frames(self, adapter: ModelAdapter) -> int:
+        """Frames per sample video (video families)."""
+        return adapter.sampling.default_frames if self.cfg.num_frames is None else self.cfg.num_frames
+
+    def fps(self, adapter: ModelAdapter) -> float:
+        return adapter.sampling.default_fps if self.cfg.fps is None else self.cfg.fps
+
+    @staticmethod
+    def write_image(stem: Path, image, record: dict[str, str]) -> Path:
+        info = PngInfo()
+        for key, value in record.items():
+            info.add_text(key, value)
+        return write_atomic(stem.with_suffix(".png"), lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+
+    @staticmethod
+    def write_video(stem: Path, frames, fps: float, record: dict[str, str]) -> Path:
+        """A pipeline's video (float [F, H, W, 3] in [0, 1]) as `.mp4` (or `.webp` without an H.264 encoder)."""
+        pixels = (np.asarray(frames, dtype=np.float32) * 255).round().clip(0, 255).astype(np.uint8)
+        return write_video(stem, pixels, fps, record)
+
     @torch.no_grad()
     def conditioning(self, adapter: ModelAdapter) -> list[dict | None]:
         """Each prompt's precomputed conditioning where the family offers it (see ModelAdapter)."""
@@ -82,23 +105,28 @@ class SampleRenderer:
                         else self.cfg.guidance_scale)
             steps = self.steps(adapter)
             arguments = adapter.sampling.pipeline_arguments(text, guidance)
-            image = pipe(
+            video = {"num_frames": self.frames(adapter), "output_type": "np"} if adapter.facts.video else {}
+            result = pipe(
                 **arguments,
                 **self.rescale(),
+                **video,
                 num_inference_steps=steps,
                 width=self.cfg.width,
                 height=self.cfg.height,
                 generator=torch.Generator(device="cpu").manual_seed(seed),
-            ).images[0]
-            info = PngInfo()
+            )
             guidance_record = {k: v for k, v in arguments.items() if k not in text}
             extras = {"negative_prompt": adapter.sampling.negative_prompt(self.cfg.neg),
                       **adapter.sampling.reproduction()}
-            for key, value in self.reproduction(pipe, prompt, seed, guidance_record, step, steps, extras).items():
-                info.add_text(key, str(value))
-            path = self.folder / f"step_{step:09d}_{index}.png"
-            write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
-            written.append(path)
+            if video:
+                extras.update(num_frames=video["num_frames"], fps=self.fps(adapter))
+            record = {key: str(value) for key, value in
+                      self.reproduction(pipe, prompt, seed, guidance_record, step, steps, extras).items()}
+            stem = self.folder / f"step_{step:09d}_{index}"
+            if video:
+                written.append(self.write_video(stem, result.frames[0], self.fps(adapter), record))
+            else:
+                written.append(self.write_image(stem, result.images[0], record))
         return written
 
 

@@ -16,7 +16,7 @@ from toolkit.diffusion.snr import min_snr_weights
 from toolkit.diffusion.timestep_params import TimestepParams
 from toolkit.diffusion.timesteps import sample_timestep_u
 from toolkit.errors import UserError
-from toolkit.models.base import LatentDist, ModelAdapter, PromptEmbeds, join_padded
+from toolkit.models.base import Expert, LatentDist, ModelAdapter, PromptEmbeds, join_padded
 from toolkit.train.losses import mse_loss, per_sample_loss, weighted_mean
 from toolkit.train.seeding import seeded_generator
 
@@ -74,7 +74,8 @@ class DiffusionObjective:
         noisy = schedule.add_noise(latents, noise, timesteps)
         with_blank = self.blank_prompt_due(at.update_index)
         sizes = batch.get("image_sizes")
-        prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank, sizes)
+        expert = self.adapter.expert_at(at.update_index)
+        prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank, sizes, expert)
         target = schedule.target(latents, noise, timesteps)
         if cfg.differential_guidance_scale is not None:
             anchor = prediction.detach()
@@ -86,20 +87,32 @@ class DiffusionObjective:
         loss = weighted_mean(per_sample, sampler_weight, snr_weight)
         parts = {"loss_diff_guidance" if cfg.differential_guidance_scale else "loss_main": loss.detach()}
         if with_blank:
-            bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction, sizes)
+            bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction, sizes, expert)
             loss = loss + cfg.blank_prompt_preservation_multiplier * bpp
             parts["loss_bpp"] = bpp.detach()
         return LossResult(loss, parts, u, per_sample)
 
     def draw_timesteps(self, latents: torch.Tensor, generator: torch.Generator, at: StepDraw):
-        """u per sample (and the sampler's loss weight, if any) for this update's place in training."""
+        """u per sample (and the sampler's loss weight, if any) for this update's place in training; where the family
+        routes between experts, inside the range of the expert this update trains."""
         cfg, schedule = self.cfg, self.adapter.noise_schedule
         return sample_timestep_u(
             cfg.timestep_type, self.timestep_params, latents.shape[0], generator,
-            content_or_style=cfg.content_or_style, timestep_range=cfg.timestep_range, progress=at.progress,
+            content_or_style=cfg.content_or_style, timestep_range=self.timestep_range(at.update_index),
+            progress=at.progress,
             update_index=at.update_index, image_seq_len=schedule.image_seq_len(latents),
             shift_schedule=schedule.shift_schedule,
         )
+
+    def timestep_range(self, update_index: int) -> tuple[float, float]:
+        """`train.timestep_range`, within the range of the expert the update trains (the sampler's draw is rescaled
+        into it, keeping its shape, as `timestep_range` does)."""
+        low, high = self.cfg.timestep_range
+        expert = self.adapter.expert_at(update_index)
+        if expert is None:
+            return low, high
+        start, stop = expert.u_range
+        return start + (stop - start) * low, start + (stop - start) * high
 
     def blank_prompt_due(self, update_index: int) -> bool:
         """Whether this update computes the blank-prompt term: a pure function of (seed, update)."""
@@ -108,17 +121,19 @@ class DiffusionObjective:
         draw = torch.rand((), generator=seeded_generator(self.seed, "blank_prompt", update_index))
         return draw.item() < self.cfg.blank_prompt_probability
 
-    def predict(self, noisy, timesteps, embeds: PromptEmbeds, with_blank: bool, sizes: torch.Tensor | None):
+    def predict(self, noisy, timesteps, embeds: PromptEmbeds, with_blank: bool, sizes: torch.Tensor | None,
+                expert: Expert | None = None):
         """The LoRA model's prediction; with the blank prompt too, in the same forward pass (one pass keeps
         multi-process gradient sync simple and is faster than two)."""
         if not with_blank:
-            return self.adapter.predict(noisy, timesteps, embeds, image_sizes=sizes), None
+            return self.adapter.predict(noisy, timesteps, embeds, image_sizes=sizes, expert=expert), None
         both = self.adapter.predict(torch.cat([noisy, noisy]), torch.cat([timesteps, timesteps]),
                                     concat_embeds(embeds, self.blank_embeds, len(noisy)),
-                                    image_sizes=None if sizes is None else torch.cat([sizes, sizes]))
+                                    image_sizes=None if sizes is None else torch.cat([sizes, sizes]), expert=expert)
         return both[: len(noisy)], both[len(noisy):]
 
-    def blank_prompt_loss(self, noisy, timesteps, blank_prediction, sizes: torch.Tensor | None) -> torch.Tensor:
+    def blank_prompt_loss(self, noisy, timesteps, blank_prediction, sizes: torch.Tensor | None,
+                          expert: Expert | None = None) -> torch.Tensor:
         """MSE between the LoRA model's and the base model's predictions for the blank prompt. The base pass is the
         base model's own prediction: adapters off, no dropout (eval mode), and it draws nothing from the global
         RNG streams training uses (they are forked around it)."""
@@ -130,7 +145,7 @@ class DiffusionObjective:
             module.disable_adapters()
             module.eval()
             try:
-                base = self.adapter.predict(noisy, timesteps, blank, module=module, image_sizes=sizes)
+                base = self.adapter.predict(noisy, timesteps, blank, module=module, image_sizes=sizes, expert=expert)
             finally:
                 module.train(was_training)
                 module.enable_adapters()

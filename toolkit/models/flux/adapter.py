@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderM
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
 from toolkit.models.base import (
+    Expert,
     LatentDist,
     LoraFileFormat,
     ModelAdapter,
@@ -285,7 +286,8 @@ class FluxAdapter(ModelAdapter):
     # ---- the denoiser ------------------------------------------------------------------------------
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
+                expert: Expert | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32: packed, with FluxPipeline's
         position ids, sigma as the timestep, and the training guidance into [dev]'s guidance embedding."""
         denoiser = module if module is not None else self._denoiser

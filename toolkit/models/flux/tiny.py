@@ -8,12 +8,11 @@ shift and scaling factors."""
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 import torch
 
-from toolkit.models.tiny import byte_level_clip_tokenizer, ensure_tiny
+from toolkit.models.tiny import byte_level_clip_tokenizer, ensure_tiny, unigram_t5_tokenizer
 
 TINY_FLUX_DEV = {
     "transformer": {
@@ -51,17 +50,6 @@ TINY_FLUX_SCHNELL = {
     "transformer": {**TINY_FLUX_DEV["transformer"], "guidance_embeds": False},
     "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
 }
-
-
-def unigram_t5_tokenizer():
-    """A T5 tokenizer over single characters and a few word starts (Unigram, like T5's sentencepiece model):
-    any ASCII text tokenizes, `</s>` ends every prompt, `<pad>` pads; nothing is downloaded."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(c, -3.0) for c in string.printable if not c.isspace()]
-    pieces += [("\u2581" + c, -2.5) for c in string.ascii_letters + string.digits]
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
 def _seeded(seed: int, build):

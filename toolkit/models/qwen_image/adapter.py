@@ -23,11 +23,12 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import AutoTokenizer, QuantoConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
 from toolkit.models.base import (
+    Expert,
     LatentDist,
     LoraFileFormat,
     ModelAdapter,
@@ -40,6 +41,8 @@ from toolkit.models.common import (
     encoder_identity,
     is_single_file,
     place_frozen,
+    subfolder_weight_files,
+    transformers_quantization,
     vae_latents,
 )
 from toolkit.models.qwen_image.config import FACTS, QwenImageModelConfig
@@ -48,11 +51,8 @@ from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
 from toolkit.quantize import (
     StreamedWeights,
-    keep_qfloat8_off_marlin,
-    keep_quantized_linear_dtypes_matched,
     load_quantized,
     quantize_blockwise,
-    weight_files,
 )
 
 #: where a single-file transformer's other parts and its config come from when `model.single_file_config` is not
@@ -81,10 +81,6 @@ LAST_BLOCK_TEXT_ONLY = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.pro
 
 #: the transformer's token packing: 2x2 latent pixels per token
 PATCH_SIZE = 2
-
-#: config qtype -> transformers' QuantoConfig weights (the text encoder is quantized by transformers as it loads)
-TRANSFORMERS_QUANTO = {"qfloat8": "float8", "qint8": "int8", "qint4": "int4"}
-
 
 class QwenImageText(TextRules):
     """The caption sits inside the template: after the dropped prefix, its tokens come first and the template's
@@ -237,7 +233,7 @@ class QwenImageAdapter(ModelAdapter):
                                                          revision=None if single else revision)
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(config)
-        files = [Path(source)] if single else transformer_weight_files(source, variant, revision)
+        files = [Path(source)] if single else subfolder_weight_files(source, "transformer", variant, revision)
         weights = StreamedWeights(files, strip=("model.diffusion_model.", "diffusion_model."))
         blocks = [f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
         where = source if single else str(files[0].parent)
@@ -250,13 +246,7 @@ class QwenImageAdapter(ModelAdapter):
         """Text encoder (quantized by transformers' quanto support as its weights load, when `te_qtype` is given:
         onto the accelerator, so quantizing is fast there), tokenizer, VAE and scheduler."""
         kw = {"variant": variant, "revision": revision}
-        quantized = {}
-        if te_qtype:
-            keep_qfloat8_off_marlin()
-            keep_quantized_linear_dtypes_matched()
-            quantized = {"quantization_config": QuantoConfig(weights=TRANSFORMERS_QUANTO[te_qtype])}
-            if device.type != "cpu":
-                quantized["device_map"] = {"": str(device)}
+        quantized = transformers_quantization(te_qtype, device)
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(source, subfolder="text_encoder",
                                                                           dtype=dtype, **quantized, **kw)
         tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
@@ -328,7 +318,8 @@ class QwenImageAdapter(ModelAdapter):
     # ---- the denoiser ------------------------------------------------------------------------------
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
+                expert: Expert | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32: packed as the pipeline packs,
         sigma as the timestep, the prompt mask where a prompt is padded."""
         denoiser = module if module is not None else self._denoiser
@@ -364,19 +355,6 @@ def qwen_lora_targets(blocks: int) -> list[str]:
     last = blocks - 1
     return [f"transformer_blocks.{index}.{target}" for index in range(blocks) for target in BLOCK_TARGETS
             if not (index == last and target in LAST_BLOCK_TEXT_ONLY)]
-
-
-def transformer_weight_files(source: str, variant: str | None, revision: str | None) -> list[Path]:
-    """The transformer's safetensors files in a diffusers folder, or in a hub repo (its weight files of `variant`
-    only, from the local hub cache or downloaded)."""
-    if Path(source).is_dir():
-        return weight_files(Path(source) / "transformer", variant)
-    from huggingface_hub import snapshot_download
-
-    weights = f"transformer/*.{variant}.safetensors" if variant else "transformer/*.safetensors"
-    folder = snapshot_download(source, allow_patterns=["transformer/*.json", weights], revision=revision,
-                               ignore_patterns=None if variant else ["transformer/*.*.safetensors"])
-    return weight_files(Path(folder) / "transformer", variant)
 
 
 def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:

@@ -16,6 +16,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from toolkit.device import memory_debug, to_device
 from toolkit.models.base import (
+    Expert,
     LoraComponent,
     LoraFileFormat,
     PromptEmbeds,
@@ -115,7 +116,8 @@ class SD15Adapter(StableDiffusionAdapter):
         return encoder_identity(self.arch, part, self.source, {"image": self.vae, "text": self.text_encoder}[part])
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
+                expert: Expert | None = None) -> torch.Tensor:
         unet_dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         return denoiser(noisy.to(unet_dtype), timesteps, encoder_hidden_states=embeds.embeds.to(unet_dtype)).sample

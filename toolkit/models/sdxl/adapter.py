@@ -19,6 +19,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 from toolkit.device import memory_debug, to_device
 from toolkit.errors import UserError
 from toolkit.models.base import (
+    Expert,
     LoraComponent,
     LoraFileFormat,
     PromptEmbeds,
@@ -185,7 +186,8 @@ class SDXLAdapter(StableDiffusionAdapter):
         return torch.tensor([[height, width, 0, 0, height, width]]).expand(latents.shape[0], 6)
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
+                expert: Expert | None = None) -> torch.Tensor:
         dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         sizes = image_sizes if image_sizes is not None else self.default_image_sizes(noisy)

@@ -21,7 +21,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import WuerstchenNoiseSchedule
-from toolkit.models.base import LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
+from toolkit.models.base import Expert, LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
 from toolkit.models.common import ClipTextRules, encoder_identity, place_frozen
 from toolkit.models.wuerstchen.config import FACTS, WuerstchenModelConfig
 from toolkit.models.wuerstchen.image_encoder import (
@@ -204,7 +204,8 @@ class WuerstchenAdapter(ModelAdapter):
     # ---- denoiser ------------------------------------------------------------------------------
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+                module: nn.Module | None = None, image_sizes: torch.Tensor | None = None,
+                expert: Expert | None = None) -> torch.Tensor:
         dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         ratio = timesteps.to(device=noisy.device, dtype=dtype)

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, Qwen3Model
 from toolkit.device import memory_debug, safe_module_to_device, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
 from toolkit.models.base import (
+    Expert,
     LatentDist,
     LoraFileFormat,
     ModelAdapter,
@@ -332,7 +333,8 @@ class ZImageAdapter(ModelAdapter):
         return (total - timesteps.float()) / total
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
-                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None) -> torch.Tensor:
+                module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
+                expert: Expert | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32 like the pipeline's."""
         denoiser = module if module is not None else self._denoiser
         dtype = self.compute_dtype

@@ -1,0 +1,188 @@
+"""The Wan family on its tiny presets (Wan 2.1, Wan 2.2 TI2V-5B): the training math against WanPipeline (prompt
+embeddings, latent normalisation over clips and images, the Euler steps the prediction drives, per-token timesteps),
+the LoRA targets and their ComfyUI names, quantized loading, video samples and config checks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import yaml
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+from toolkit.config.loader import ConfigError, load_config
+from toolkit.models.registry import get_adapter_class, model_config
+from toolkit.models.wan import adapter as wan
+from toolkit.models.wan.adapter import WanAdapter
+
+CPU = torch.device("cpu")
+PROMPTS = ["a red circle rolls over a blue floor", "", "stripes"]
+
+
+def load(name: str, **keys) -> WanAdapter:
+    return WanAdapter.load(model_config(arch="wan", name_or_path=name, **keys), CPU, torch.float32)
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-wan2.2-5b"])
+def adapter(request, tiny_cache) -> WanAdapter:
+    return load(request.param)
+
+
+@pytest.fixture(scope="module")
+def pipe(adapter) -> WanPipeline:
+    pipe = adapter.sampling.pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_layouts_and_sizes_are_the_pipelines(adapter, pipe):
+    assert get_adapter_class("wan") is WanAdapter
+    assert adapter.divisor == pipe.vae_scale_factor_spatial * 2  # 16 (2.1), 32 (2.2 TI2V-5B)
+    channels = adapter.transformer.config.in_channels
+    assert (adapter.version, channels) in {("2.1", 16), ("2.2 TI2V-5B", 48)}
+    assert adapter.expand_timesteps == (adapter.version == "2.2 TI2V-5B") == pipe.config.expand_timesteps
+    assert adapter.sampling.default_fps == (24.0 if adapter.expand_timesteps else 16.0)
+
+
+def test_prompt_embeddings_are_the_pipelines(adapter, pipe):
+    ours = adapter.encode_prompts(PROMPTS)
+    theirs = pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=512, device=CPU)[0]
+    padded = adapter.padded_embeds(ours)
+    assert padded.shape == theirs.shape == (3, 512, 32)
+    torch.testing.assert_close(padded, theirs, rtol=0, atol=1e-5)
+    # each prompt's own tokens with `</s>`; the rest zeros, as the pipeline pads them
+    assert ours.lengths.tolist() == [int(theirs[i].abs().sum(dim=1).gt(0).sum()) for i in range(3)]
+    assert adapter.text.caption_token_span(int(ours.lengths[2])) == (0, int(ours.lengths[2]) - 1)
+
+
+def test_latents_are_normalised_as_the_pipeline_denormalises(adapter):
+    clip = torch.rand(1, 3, 5, 64, 64) * 2 - 1
+    dist = adapter.encode_latent_dist(clip)
+    assert dist.mean.shape[2] == 2  # 5 frames -> 1 + 4 / 4 latent frames
+    latents = adapter.latents_from_dist(dist, torch.Generator().manual_seed(0))
+    config = adapter.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+    denormalised = latents / inverse_std + mean  # exactly WanPipeline.__call__'s decode input
+    sample = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(denormalised, sample, rtol=1e-5, atol=1e-5)
+    # an image is a one-frame clip: the same latent as the clip of that frame alone
+    image = clip[:, :, 0]
+    torch.testing.assert_close(adapter.encode_latent_dist(image).mean, adapter.encode_latent_dist(clip[:, :, :1]).mean)
+
+
+def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(adapter, pipe):
+    """Three Euler steps of WanPipeline (its own loop, per-token timesteps included) equal
+    x + (sigma_next - sigma) predict(x); with the timestep flipped they do not."""
+    shift = adapter.scheduler.config.flow_shift
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    seen = []
+
+    def record(_, i, t, kwargs):
+        seen.append(kwargs["latents"].clone())
+        return kwargs
+
+    size = adapter.divisor * 2
+    result = pipe("a red circle", num_frames=5, height=size, width=size, num_inference_steps=3, guidance_scale=1.0,
+                  output_type="latent", generator=torch.Generator().manual_seed(0), callback_on_step_end=record)
+    x = pipe.prepare_latents(1, adapter.transformer.config.in_channels, size, size, 5, torch.float32, CPU,
+                             torch.Generator().manual_seed(0))
+    embeds = adapter.encode_prompts(["a red circle"])
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(3)
+    sigmas = scheduler.sigmas
+    flipped = x.clone()
+    for i in range(3):
+        x = x + (sigmas[i + 1] - sigmas[i]) * adapter.predict(x, sigmas[i:i + 1] * 1000, embeds)
+        torch.testing.assert_close(x, seen[i], rtol=1e-4, atol=1e-5)
+        flipped = flipped + (sigmas[i + 1] - sigmas[i]) * adapter.predict(flipped, (1 - sigmas[i:i + 1]) * 1000,
+                                                                          embeds)
+    torch.testing.assert_close(x, result.frames, rtol=1e-4, atol=1e-5)
+    assert (flipped - result.frames).abs().max() > 1e-3
+
+
+def test_a_prompt_predicts_the_same_whatever_it_is_batched_with(adapter):
+    """Prompts keep their own lengths in caches and batches; the transformer always sees them padded to 512 with
+    zeros, so a short prompt predicts the same alone and beside a long one."""
+    from toolkit.models.base import PromptEmbeds
+
+    noisy = torch.randn(1, adapter.transformer.config.in_channels, 2, 4, 4)
+    t = torch.tensor([400.0])
+    alone = adapter.predict(noisy, t, adapter.encode_prompts(["dog"]))
+    both = adapter.encode_prompts(["dog", "a very long prompt about a dog running over a wide green field"])
+    first = PromptEmbeds(both.embeds[:1], both.attention_mask[:1], both.lengths[:1])
+    torch.testing.assert_close(adapter.predict(noisy, t, first), alone, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_targets_and_their_comfyui_names(adapter):
+    targets = adapter.lora_target_modules()
+    blocks = len(adapter.transformer.blocks)
+    assert len(targets) == blocks * len(wan.BLOCK_TARGETS)
+    names = {name for name, _ in adapter.transformer.named_modules()}
+    assert set(targets) <= names
+    renames = wan.original_wan_names(sorted(names))
+    assert renames["blocks.1.attn1.to_q"] == "blocks.1.self_attn.q"
+    assert renames["blocks.0.attn2.to_out.0"] == "blocks.0.cross_attn.o"
+    assert renames["blocks.0.ffn.net.0.proj"] == "blocks.0.ffn.0"
+    assert renames["blocks.0.ffn.net.2"] == "blocks.0.ffn.2"
+    assert all(target in renames for target in targets)  # every trained layer has its ComfyUI name
+
+
+def test_quantized_loading_keeps_the_edges_in_full_precision(tiny_cache):
+    from optimum.quanto import QLinear
+
+    quantized = load("tiny", quantize=True, qtype="qint8", quantize_te=True, qtype_te="qint8")
+    transformer = quantized.transformer
+    assert isinstance(transformer.blocks[0].attn1.to_q, QLinear)
+    assert isinstance(transformer.blocks[1].ffn.net[2], QLinear)
+    assert not isinstance(transformer.condition_embedder.time_embedder.linear_1, QLinear)
+    assert not isinstance(transformer.proj_out, QLinear)
+    assert any(isinstance(m, QLinear) for m in quantized.text_encoder.modules())
+    noisy = torch.randn(1, 16, 2, 4, 4)
+    assert torch.isfinite(quantized.predict(noisy, torch.tensor([500.0]), quantized.encode_prompts(["x"]))).all()
+
+
+def test_a_video_sample_has_the_asked_frames_and_its_metadata(tmp_path, tiny_cache):
+    from toolkit.config.sections import SampleConfig
+    from toolkit.data.clips import clip_info
+    from toolkit.run.sampling import SampleRenderer
+    from toolkit.run.video import video_metadata
+
+    adapter = load("tiny")
+    cfg = SampleConfig(prompts=["a red ball"], width=32, height=32, num_frames=9, fps=8, sample_steps=2)
+    [path] = SampleRenderer(cfg, None, tmp_path, "tiny").render(adapter, step=3)
+    assert path.name == "step_000000003_0.mp4"
+    info = clip_info(path)
+    assert (info.frames, info.fps, info.width, info.height) == (9, 8.0, 32, 32)
+    record = video_metadata(path)
+    assert (record["prompt"], record["seed"], record["step"], record["num_frames"]) == ("a red ball", "42", "3", "9")
+
+
+def job_file(folder, model: dict, dataset: dict, sample: dict):
+    (folder / "data").mkdir(exist_ok=True)
+    process = {"type": "sd_trainer", "model": model, "train": {"steps": 1}, "sample": sample,
+               "datasets": [{"folder_path": str(folder / "data"), **dataset}]}
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"config": {"name": "t", "process": [process]}}))
+    return path
+
+
+@pytest.mark.parametrize("dataset, sample, message", [
+    ({"num_frames": 8}, {}, "datasets[0].num_frames: Wan takes 4k + 1 frames (e.g. 5 or 9), not 8"),
+    ({}, {"num_frames": 16}, "sample.num_frames: Wan takes 4k + 1 frames (e.g. 13 or 17), not 16"),
+])
+def test_config_refuses_frame_counts_wan_cannot_take(tmp_path, registry, dataset, sample, message):
+    path = job_file(tmp_path, {"arch": "wan", "name_or_path": "tiny"}, dataset, sample)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(path), registry)
+
+
+def test_image_families_refuse_frames(tmp_path, registry):
+    path = job_file(tmp_path, {"arch": "sd15", "name_or_path": "tiny"}, {"num_frames": 5, "fps": 8},
+                    {"num_frames": 5})
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path), registry)
+    text = str(error.value)
+    assert "datasets[0].num_frames: Stable Diffusion" in text and "images only" in text
+    assert "datasets[0].fps" in text and "sample.num_frames" in text

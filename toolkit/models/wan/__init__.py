@@ -1,0 +1,1 @@
+"""Wan 2.1 / 2.2 video models (`arch: wan`)."""
