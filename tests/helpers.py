@@ -191,7 +191,7 @@ def straight_and_resumed(tmp_path: Path, process: dict) -> tuple[Path, Path]:
 
 
 def assert_same_training(straight: Path, resumed: Path) -> None:
-    """Per update the same step, loss, LR and epoch, and the same final LoRA, bit for bit."""
+    """Per update the same step, loss, LR and epoch, and the same final LoRA files, bit for bit."""
     from safetensors.torch import load_file
 
     from toolkit.run.metrics import read_metrics
@@ -200,6 +200,10 @@ def assert_same_training(straight: Path, resumed: Path) -> None:
         return [(r["step"], r["loss"], r["lr"], r["epoch"]) for r in read_metrics(run_dir / "metrics.jsonl")]
 
     assert per_update(resumed) == per_update(straight)
-    ours = load_file(str(resumed / f"{resumed.name}.safetensors"))
-    theirs = load_file(str(straight / f"{straight.name}.safetensors"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # every final file: <name>.safetensors, and one per expert where a family writes them (<name>_high_noise...)
+    files = sorted(p.name[len(straight.name):] for p in straight.glob(f"{straight.name}*.safetensors"))
+    assert files and files == sorted(p.name[len(resumed.name):] for p in resumed.glob(f"{resumed.name}*.safetensors"))
+    for suffix in files:
+        ours = load_file(str(resumed / f"{resumed.name}{suffix}"))
+        theirs = load_file(str(straight / f"{straight.name}{suffix}"))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs), suffix
