@@ -186,3 +186,37 @@ def test_image_families_refuse_frames(tmp_path, registry):
     text = str(error.value)
     assert "datasets[0].num_frames: Stable Diffusion" in text and "images only" in text
     assert "datasets[0].fps" in text and "sample.num_frames" in text
+
+
+def test_move_frozen_moves_the_base_and_leaves_the_lora(tiny_cache):
+    """What an idle expert parks under low_vram: every frozen tensor (block weights, a block's own modulation table,
+    buffers) moves; the LoRA the optimizer holds stays."""
+    from toolkit.config.sections import NetworkConfig
+    from toolkit.device import move_frozen
+    from toolkit.network.lora import add_lora
+
+    transformer = load("tiny").transformer
+    lora = add_lora(transformer, NetworkConfig(linear=2, linear_alpha=2), wan.BLOCK_TARGETS)
+    move_frozen(transformer, "meta")
+    assert all(p.device.type == "cpu" for p in lora)
+    frozen = [(n, p) for n, p in transformer.named_parameters() if not p.requires_grad]
+    assert frozen and all(p.device.type == "meta" for _, p in frozen), [n for n, p in frozen if p.device.type != "meta"]
+    assert transformer.blocks[0].scale_shift_table.device.type == "meta"
+    assert all(b.device.type == "meta" for b in transformer.buffers())
+
+
+def test_low_vram_keeps_one_expert_on_the_accelerator(tiny_cache, monkeypatch):
+    """Two experts with low_vram: whichever runs (through the trainer's expert module or the pipeline's own calls)
+    is brought first and the other parked, once per switch."""
+    moves: list[tuple[str, str]] = []
+    adapter = load("tiny-wan2.2-a14b", low_vram=True)
+    names = {id(adapter.transformer): "high_noise", id(adapter.transformer_2): "low_noise"}
+    monkeypatch.setattr(wan, "move_frozen", lambda module, device: moves.append((names[id(module)], str(device))))
+    embeds = adapter.encode_prompts(["a cat"])
+    noisy = torch.randn(1, 16, 2, 4, 4)
+    for t in (950.0, 990.0, 300.0, 100.0, 900.0):
+        adapter.predict(noisy, torch.tensor([t]), embeds)
+    assert moves == [("low_noise", "cpu"), ("high_noise", "cpu"),  # the first run: high noise arrives
+                     ("high_noise", "cpu"), ("low_noise", "cpu"),  # switch to low noise
+                     ("low_noise", "cpu"), ("high_noise", "cpu")]  # and back
+    assert adapter.device == CPU and adapter.swap is not None

@@ -108,6 +108,27 @@ def safe_module_to_device(module: torch.nn.Module, device: torch.device | str) -
     return module
 
 
+def move_frozen(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """Move what `module` holds frozen (parameters without gradient, buffers) to `device`; trainable parameters (a
+    LoRA, which the optimizer and DDP hold) stay where they are. Subtrees without a trainable parameter move whole
+    through `safe_module_to_device` (quantized weights included); the frozen tensors held directly by a module with
+    trainable descendants (e.g. a block's modulation table) move one by one."""
+    target = torch.device(device)
+    if not any(p.requires_grad for p in module.parameters()):
+        return safe_module_to_device(module, target)
+    for child in module.children():
+        move_frozen(child, target)
+    with torch.no_grad():
+        for name, param in module._parameters.items():
+            if param is not None and not param.requires_grad and not _is_on(param.device, target):
+                # a new frozen Parameter (nothing holds frozen ones: not the optimizer, not DDP)
+                module._parameters[name] = torch.nn.Parameter(param.data.to(target), requires_grad=False)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not _is_on(buffer.device, target):
+                module._buffers[name] = buffer.to(target)
+    return module
+
+
 def _move(module: torch.nn.Module, target: torch.device) -> None:
     try:
         module.to(target)

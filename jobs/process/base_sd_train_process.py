@@ -161,7 +161,7 @@ class BaseSDTrainProcess(BaseProcess):
         network, train, adapter = self.config.network, self.config.train, self.adapter
         denoiser_params = [param for module in adapter.denoisers()  # one denoiser, or each trained expert
                            for param in add_lora(module, network, adapter.lora_target_modules(),
-                                                 adapter.conv_target_modules())]
+                                                 adapter.conv_target_modules(), self.accelerator.device)]
         groups = [{"params": denoiser_params}]
         self.text_params: list[torch.nn.Parameter] = []
         #: the text encoders' LR of the last update (None while they do not train)

@@ -81,10 +81,12 @@ def build_network_config(cfg: NetworkConfig, linear_names: list[str], conv_names
 
 
 def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[str],
-             conv_targets: list[str] | None = None) -> list[torch.nn.Parameter]:
-    """Add the adapter `cfg` describes and return its parameters, in float32. diffusers models take it through
-    diffusers' peft integration; other models (transformers' text encoders, whose own `add_adapter` wants a newer
-    peft) through peft's `inject_adapter_in_model`, which sets the same `peft_config`."""
+             conv_targets: list[str] | None = None, device: torch.device | None = None) -> list[torch.nn.Parameter]:
+    """Add the adapter `cfg` describes and return its parameters, in float32 (on `device` when given: a denoiser whose
+    frozen weights wait on the CPU, e.g. an idle expert under low_vram, still trains its LoRA on the accelerator).
+    diffusers models take it through diffusers' peft integration; other models (transformers' text encoders, whose
+    own `add_adapter` wants a newer peft) through peft's `inject_adapter_in_model`, which sets the same
+    `peft_config`."""
     linear_names, conv_names = select_targets(module, cfg, default_targets, conv_targets or [])
     config = build_network_config(cfg, linear_names, conv_names)
     if isinstance(module, ModelMixin):
@@ -97,7 +99,7 @@ def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[
     if not params:
         raise UserError("the adapter has no trainable parameters (check network.target_modules)")
     for param in params:
-        param.data = param.data.float()
+        param.data = param.data.to(device=device, dtype=torch.float32)
     return params
 
 

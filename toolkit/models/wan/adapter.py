@@ -21,7 +21,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from toolkit.device import memory_debug, to_device
+from toolkit.device import memory_debug, move_frozen, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
 from toolkit.errors import UserError
 from toolkit.models.base import (
@@ -120,6 +120,29 @@ class WanExperts(torch.nn.Module):
             expert.enable_adapters()
 
 
+class OneExpertOnDevice:
+    """low_vram with two experts: only the expert that runs has its weights on the accelerator. A forward pre-hook on
+    each expert (training through `WanExperts`, and WanPipeline's own calls when sampling) first parks the other's
+    frozen weights on the CPU and brings this one's; LoRA weights stay on the accelerator (`move_frozen`). A switch
+    costs one expert's weights each way, so `model.expert_switch_every` above 1 makes it rarer."""
+
+    def __init__(self, experts: list[WanTransformer3DModel], device: torch.device):
+        self.experts = experts
+        self.device = device
+        self.current: WanTransformer3DModel | None = None
+        for expert in experts:
+            expert.register_forward_pre_hook(self.bring)
+
+    def bring(self, module: torch.nn.Module, args) -> None:
+        if module is self.current:
+            return
+        for other in self.experts:
+            if other is not module:
+                move_frozen(other, "cpu")
+        move_frozen(module, self.device)
+        self.current = module
+
+
 class WanText(TextRules):
     """UMT5: a prompt's tokens then `</s>`; longer prompts are cut at `max_sequence_length`. Prompts keep their own
     length in batches and caches (the transformer's input is padded to 512 in `predict`)."""
@@ -212,6 +235,8 @@ class WanAdapter(ModelAdapter):
             loaded = {name: t for name, t in zip(EXPERTS, (transformer, transformer_2)) if t is not None}
             self.experts = WanExperts(loaded)
         self._denoiser: torch.nn.Module = self.experts if self.experts is not None else transformer
+        #: low_vram with two experts: which one is on the accelerator (set by `load`)
+        self.swap: OneExpertOnDevice | None = None
         #: the VAE's per-channel latent mean and std per device, float32 [1, C, 1, 1, 1]
         self._latent_stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -239,6 +264,9 @@ class WanAdapter(ModelAdapter):
             name: expert in trained or sampling_models for name, expert in zip(("transformer", "transformer_2"), EXPERTS)}
         # an assistant LoRA is merged in full precision, before any quantization
         qtype = model_cfg.qtype if model_cfg.quantize and not model_cfg.assistant_lora_path else None
+        # low_vram with two experts: each waits on the CPU once loaded (quantized on the accelerator), so loading holds
+        # one expert there at a time; the one that runs is brought when it runs (OneExpertOnDevice)
+        swapping = two and model_cfg.low_vram and sum(wanted.values()) > 1
         loaded: dict[str, WanTransformer3DModel | None] = {}
         for name, load in wanted.items():
             if not load:
@@ -246,6 +274,8 @@ class WanAdapter(ModelAdapter):
                 continue
             with memory_debug(f"{name} load" + (" and quantization" if qtype else ""), debug_memory):
                 loaded[name] = cls.load_transformer(source, name, dtype, qtype, device, **kw)
+                if swapping:
+                    move_frozen(loaded[name], "cpu")
         transformers = [t for t in loaded.values() if t is not None]
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
@@ -265,6 +295,10 @@ class WanAdapter(ModelAdapter):
                       expand_timesteps=bool(pipeline_config.get("expand_timesteps")), trained_experts=trained,
                       expert_switch_every=model_cfg.expert_switch_every)
         adapter.compute_dtype = dtype
+        if swapping:
+            place_frozen(transformers[0], [adapter.vae, adapter.text_encoder], "cpu", low_vram=True)
+            adapter.swap = OneExpertOnDevice(transformers, device)
+            return adapter
         place_frozen(transformers[0], [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         for transformer in transformers[1:]:  # the second expert: frozen, beside the first
             place_frozen(transformer, [], device, low_vram=False)
@@ -317,7 +351,8 @@ class WanAdapter(ModelAdapter):
 
     @property
     def device(self) -> torch.device:
-        return next(self._denoiser.parameters()).device
+        # where the experts run (with low_vram one of them may be waiting on the CPU), else the transformer's
+        return self.swap.device if self.swap is not None else next(self._denoiser.parameters()).device
 
     # ---- text ----------------------------------------------------------------------------------------
 
