@@ -2,7 +2,10 @@
 few dozen updates through difftune's real job path, so the figures compare with published ones.
 
     python -m benchmarks.full_size                          # SD 1.5 at 512 px; SDXL, Z-Image, FLUX.1, Qwen-Image
-                                                            # (qfloat8 and qint4) at 1024 px
+                                                            # (qfloat8 and qint4) at 1024 px; Wan 2.1 1.3B at
+                                                            # 480 px and Wan 2.2 TI2V-5B at 704 px, 33 frames
+    python -m benchmarks.full_size --models wan22_a14b      # Wan 2.2 A14B's two experts (qfloat8, low_vram; ~57 GB
+                                                            # of disk for the random model)
     python -m benchmarks.full_size --models zimage --updates 40 --json zimage.json
     python -m benchmarks.full_size --size tiny --device cpu # the same path on the tiny presets (a smoke test)
 
@@ -15,7 +18,8 @@ checkpointing, bf16, AdamW 8-bit; Z-Image, FLUX.1 and Qwen-Image with the transf
   run (model load and caching included);
 - wall seconds of each phase: building the random model, the job's set-up, the training loop, the final saves.
 
-Z-Image's and Qwen-Image's text encoders keep their real width (the transformer's caption input) but only a few
+Wan trains on generated clips (drifting colour fields) instead of images. Z-Image's, Qwen-Image's and Wan's text
+encoders keep their real width (the transformer's caption input) but only a few
 of their layers: they run only while the text embeddings are cached, so training figures do not depend on their
 depth. Each model's folder is deleted once no later run uses it (Qwen-Image's takes about 41 GB of disk).
 """
@@ -36,6 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 LOG_EVERY = 5
+
+from toolkit.models.wan.tiny import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, unipc_flow_scheduler  # noqa: E402
 
 #: SD 1.5's UNet, VAE and CLIP ViT-L/14 text encoder (runwayml/stable-diffusion-v1-5 configs)
 SD15_FULL = {
@@ -165,12 +171,41 @@ QWEN_IMAGE_FULL = {
 }
 
 
+def _wan_transformer(heads: int, ffn: int, layers: int, channels: int = 16) -> dict:
+    """A Wan transformer's config (heads of 128 dims; UMT5-XXL's 4096-wide text input)."""
+    return dict(patch_size=[1, 2, 2], num_attention_heads=heads, attention_head_dim=128, in_channels=channels,
+                out_channels=channels, text_dim=4096, freq_dim=256, ffn_dim=ffn, num_layers=layers,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+#: UMT5-XXL's width with 2 of its 24 layers (it runs only while the text embeddings are cached, see the docstring)
+_UMT5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_heads=64, num_layers=2, relative_attention_num_buckets=32,
+                 relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
+#: the Wan 2.1 VAE (the class defaults are its released config)
+_WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+
+#: Wan 2.1 T2V 1.3B (Wan-AI/Wan2.1-T2V-1.3B-Diffusers: 30 blocks of 1536), flow_shift 3
+WAN21_1_3B_FULL = {"transformers": [_wan_transformer(12, 8960, 30)], "text_encoder": _UMT5_XXL, "vae": _WAN21_VAE,
+                   "scheduler": unipc_flow_scheduler(3.0), "pipeline": {}, "seed": 0}
+#: Wan 2.2 TI2V-5B (30 blocks of 3072 over the 48-channel VAE, per-token timesteps), flow_shift 5
+WAN22_5B_FULL = {"transformers": [_wan_transformer(24, 14336, 30, channels=48)], "text_encoder": _UMT5_XXL,
+                 "vae": dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                             temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                             out_channels=12, patch_size=2, scale_factor_spatial=16,
+                             latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD),
+                 "scheduler": unipc_flow_scheduler(5.0), "pipeline": {"expand_timesteps": True}, "seed": 0}
+#: Wan 2.2 T2V A14B: two 14B experts (40 blocks of 5120) switching at 0.875, flow_shift 12
+WAN22_A14B_FULL = {"transformers": [_wan_transformer(40, 13824, 40)] * 2, "text_encoder": _UMT5_XXL,
+                   "vae": _WAN21_VAE, "scheduler": unipc_flow_scheduler(12.0), "pipeline": {"boundary_ratio": 0.875}, "seed": 0}
+
+
 def presets(size: str) -> dict[str, dict]:
     """Per model: its preset, the builder, the training resolution and the model keys of the job."""
     from toolkit.models.flux.tiny import TINY_FLUX_DEV, build_flux
     from toolkit.models.qwen_image.tiny import TINY_QWEN_IMAGE, build_qwen_image
     from toolkit.models.sd15.tiny import TINY_SD15, build_sd15
     from toolkit.models.sdxl.tiny import TINY_SDXL, build_sdxl
+    from toolkit.models.wan.tiny import TINY_WAN21, TINY_WAN22_5B, TINY_WAN22_A14B, build_wan
     from toolkit.models.zimage.tiny import TINY_ZIMAGE, build_zimage
 
     full = size == "full"
@@ -192,6 +227,16 @@ def presets(size: str) -> dict[str, dict]:
         "qwen_image_qint4": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
                              "resolution": 1024 if full else 64, "folder": "qwen_image",
                              "model": {"arch": "qwen_image", "quantize": True, "qtype": "qint4"}},
+        # video: clips of 33 frames (9 latent frames)
+        "wan21": {"preset": WAN21_1_3B_FULL if full else TINY_WAN21, "build": build_wan,
+                  "resolution": 480 if full else 32, "frames": 33 if full else 5, "model": {"arch": "wan"}},
+        "wan22_5b": {"preset": WAN22_5B_FULL if full else TINY_WAN22_5B, "build": build_wan,
+                     "resolution": 704 if full else 64, "frames": 33 if full else 5,
+                     "model": {"arch": "wan", "quantize": True, "qtype": "qfloat8"}},
+        # not in the default list: two 14B experts take about 57 GB of disk in bf16
+        "wan22_a14b": {"preset": WAN22_A14B_FULL if full else TINY_WAN22_A14B, "build": build_wan,
+                       "resolution": 480 if full else 32, "frames": 33 if full else 5,
+                       "model": {"arch": "wan", "quantize": True, "qtype": "qfloat8", "low_vram": True}},
     }
 
 
@@ -224,6 +269,23 @@ def write_images(folder: Path, count: int, size: int) -> None:
         (folder / f"img_{index:02d}.txt").write_text(f"a photo of shp number {index}, colourful blur")
 
 
+def write_clips(folder: Path, count: int, size: int, frames: int) -> None:
+    """Smooth random colour fields drifting across the frame, as H.264 clips with captions."""
+    import numpy as np
+    from PIL import Image
+
+    from toolkit.run.video import write_video
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        field = np.asarray(Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize(
+            (2 * size, size), Image.BICUBIC))
+        video = np.stack([field[:, k * size // (2 * frames):][:, :size] for k in range(frames)])
+        write_video(folder / f"clip_{index:02d}", np.ascontiguousarray(video), 16.0, {})
+        (folder / f"clip_{index:02d}.txt").write_text(f"a video of shp number {index}, drifting colours")
+
+
 def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Path:
     import yaml
 
@@ -234,7 +296,8 @@ def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Pat
         "network": {"linear": args.rank, "linear_alpha": args.rank},
         "save": {"save_every": 0, "formats": ["diffusers"]},
         "datasets": [{"folder_path": str(folder / "data"), "resolution": [spec["resolution"]],
-                      "cache_latents": True, "cache_dir": str(folder / "cache")}],
+                      "cache_latents": True, "cache_dir": str(folder / "cache"),
+                      **({"num_frames": spec["frames"]} if "frames" in spec else {})}],
         "train": {"batch_size": 1, "steps": args.updates, "lr": 1e-4, "dtype": "bf16" if cuda else "fp32",
                   "optimizer": "adamw8bit" if cuda else "adamw", "gradient_checkpointing": True,
                   "cache_text_embeddings": True, "compile": args.compile},
@@ -287,7 +350,7 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
     folder = scratch / name
     model = scratch / spec.get("folder", name) / "model"
     result: dict = {"resolution": spec["resolution"], "updates": args.updates, "rank": args.rank,
-                    "size": args.size, "compile": args.compile}
+                    "size": args.size, "compile": args.compile, "frames": spec.get("frames", 1)}
     started = time.perf_counter()
     if not model.is_dir():  # another run may share this model (`folder`)
         with built_on(args.device):
@@ -296,7 +359,10 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the built model's memory goes back before the job measures its own
-    write_images(folder / "data", args.images, spec["resolution"])
+    if "frames" in spec:
+        write_clips(folder / "data", args.images, spec["resolution"], spec["frames"])
+    else:
+        write_images(folder / "data", args.images, spec["resolution"])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -325,7 +391,8 @@ def table(results: dict) -> str:
     for name, r in results["models"].items():
         memory = (f", peak {r['peak_training_gib']:.2f} GiB training / {r['peak_overall_gib']:.2f} GiB overall"
                   if "peak_training_gib" in r else "")
-        lines.append(f"{name} {r['resolution']}px rank {r['rank']}: {r['s_per_update']:.3f} s/update{memory}; "
+        frames = f" x {r['frames']} frames" if r.get("frames", 1) > 1 else ""
+        lines.append(f"{name} {r['resolution']}px{frames} rank {r['rank']}: {r['s_per_update']:.3f} s/update{memory}; "
                      f"build {r['build_s']:.0f} s, set-up {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s, saves {r['finish_s']:.0f} s "
                      f"({r['updates']} updates), loss {r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f}")
     return "\n".join(lines)
@@ -333,8 +400,8 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4"]
-    parser.add_argument("--models", nargs="+", default=names, choices=names)
+    names = ["sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4", "wan21", "wan22_5b"]
+    parser.add_argument("--models", nargs="+", default=names, choices=[*names, "wan22_a14b"])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--updates", type=int, default=30)

@@ -55,7 +55,8 @@ def test_full_size_script_runs_the_real_job_path_on_tiny_presets(tmp_path, tiny_
     assert full_size(["--size", "tiny", "--device", "cpu", "--updates", "3", "--warmup", "1", "--images", "2",
                       "--rank", "4", "--json", str(out)]) == 0
     models = json.loads(out.read_text())["models"]
-    assert set(models) == {"sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4"}
+    assert set(models) == {"sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4", "wan21", "wan22_5b"}
+    assert models["wan21"]["frames"] == 5
     for result in models.values():
         assert result["s_per_update"] > 0 and result["loop_s"] > 0 and result["build_s"] > 0
         assert result["setup_s"] > 0 and result["finish_s"] > 0

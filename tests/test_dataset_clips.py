@@ -220,3 +220,18 @@ def test_preflight_takes_a_video_familys_clip_only_folder_and_names_clips(tmp_pa
         (f"datasets[0].folder_path: no images {images} in {tmp_path / 'clips'} (its 1 clip file(s) are not used: "
          "Tiny Family trains on images)"),
         f"datasets[1].folder_path: no images {images} in {tmp_path / 'empty'}"]
+
+
+def test_clips_at_one_frame_are_said_to_train_without_motion(tmp_path, caplog):
+    """A video family's clips with the default `num_frames: 1` train as their first frame: said once, naming the
+    key to set."""
+    folder = clip_folder(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        dataset = video_dataset(folder, num_frames=1)
+    assert {item.frames for item in dataset.items} == {1}
+    warnings = [r.getMessage() for r in caplog.records if "num_frames is 1" in r.getMessage()]
+    assert len(warnings) == 1 and "2 clip(s)" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        video_dataset(folder)
+    assert not [r for r in caplog.records if "num_frames is 1" in r.getMessage()]

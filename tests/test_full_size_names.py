@@ -12,21 +12,32 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     UNet2DConditionModel,
+    WanPipeline,
+    WanTransformer3DModel,
     ZImageTransformer2DModel,
 )
 from diffusers.loaders.lora_conversion_utils import (
     _convert_non_diffusers_lora_to_diffusers,
     _convert_non_diffusers_qwen_lora_to_diffusers,
+    _convert_non_diffusers_wan_lora_to_diffusers,
     _convert_non_diffusers_z_image_lora_to_diffusers,
     _maybe_map_sgm_blocks_to_diffusers,
 )
 from diffusers.utils import convert_unet_state_dict_to_peft
 
-from benchmarks.full_size import FLUX_FULL, QWEN_IMAGE_FULL, SD15_FULL, SDXL_FULL, ZIMAGE_FULL
+from benchmarks.full_size import (
+    FLUX_FULL,
+    QWEN_IMAGE_FULL,
+    SD15_FULL,
+    SDXL_FULL,
+    WAN22_A14B_FULL,
+    ZIMAGE_FULL,
+)
 from toolkit.config.sections import NetworkConfig
 from toolkit.models.flux.adapter import flux_lora_targets
 from toolkit.models.qwen_image.adapter import qwen_lora_targets
 from toolkit.models.registry import get_adapter_class
+from toolkit.models.wan.adapter import BLOCK_TARGETS as wan_block_targets
 from toolkit.network.files import comfy_ready, layout_renames, module_names
 from toolkit.network.formats import to_comfy
 from toolkit.network.lora import adapter_layers, add_lora, lora_state_dict, module_scales
@@ -40,6 +51,8 @@ def full_size(arch: str) -> torch.nn.Module:
             return FluxTransformer2DModel(**FLUX_FULL["transformer"])
         if arch == "qwen_image":
             return QwenImageTransformer2DModel(**QWEN_IMAGE_FULL["transformer"])
+        if arch == "wan":
+            return WanTransformer3DModel(**WAN22_A14B_FULL["transformers"][0])
         return ZImageTransformer2DModel(**ZIMAGE_FULL["transformer"])
 
 
@@ -49,6 +62,8 @@ def default_targets(arch: str, module: torch.nn.Module, family) -> list[str]:
         return flux_lora_targets(module)
     if arch == "qwen_image":
         return qwen_lora_targets(len(module.transformer_blocks))
+    if arch == "wan":
+        return [f"blocks.{i}.{target}" for i in range(len(module.blocks)) for target in wan_block_targets]
     return family.lora_target_modules(None)
 
 
@@ -185,6 +200,28 @@ def test_qwen_image_primary_names_are_comfyuis_for_the_full_size_transformer():
     assert all(path in names for path in back)
 
 
+def test_wan_primary_names_are_comfyuis_for_the_full_size_expert():
+    """ComfyUI's Wan model keeps the original code's layer names (`blocks.N.self_attn.q`, `cross_attn.o`, `ffn.0`,
+    `ffn.2`; comfy/ldm/wan/model.py) and maps LoRAs by `diffusion_model.<name>` with lora_down / lora_up / alpha;
+    WanPipeline's converter reads the same names back. On a full-size Wan 2.2 A14B expert (as Wan 2.1 14B): 40
+    blocks x 10 targets."""
+    network = NetworkConfig(linear=16, linear_alpha=8)
+    module, state, adapted = primary_state("wan", network)
+    assert len(adapted) == 40 * 10
+    comfy_names = {f"diffusion_model.blocks.{i}.{attention}.{projection}" for i in range(40)
+                   for attention in ("self_attn", "cross_attn") for projection in "qkvo"}
+    comfy_names |= {f"diffusion_model.blocks.{i}.ffn.{layer}" for i in range(40) for layer in (0, 2)}
+    assert modules_named(state) == comfy_names
+    assert all(key.endswith((".lora_down.weight", ".lora_up.weight", ".alpha")) for key in state)
+    converted = _convert_non_diffusers_wan_lora_to_diffusers(dict(state))
+    back = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in converted}
+    assert back == set(adapted)
+    weights = WanPipeline.lora_state_dict(dict(state))
+    assert {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in weights} == set(adapted)
+    names = dict(module.named_modules())
+    assert all(path in names for path in back)
+
+
 def test_the_full_size_qwen_image_text_encoder_feeds_the_transformer():
     """The benchmark's Qwen2.5-VL-7B-wide text encoder builds (on the meta device) and its width is the
     transformer's text input."""
@@ -195,6 +232,6 @@ def test_the_full_size_qwen_image_text_encoder_feeds_the_transformer():
     assert encoder.config.text_config.hidden_size == QWEN_IMAGE_FULL["transformer"]["joint_attention_dim"] == 3584
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux", "qwen_image"])
+@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux", "qwen_image", "wan"])
 def test_the_primary_form_is_the_comfy_form_for_these_families(arch):
     assert get_adapter_class(arch).files.primary == "comfy"

@@ -220,3 +220,28 @@ def test_low_vram_keeps_one_expert_on_the_accelerator(tiny_cache, monkeypatch):
                      ("high_noise", "cpu"), ("low_noise", "cpu"),  # switch to low noise
                      ("low_noise", "cpu"), ("high_noise", "cpu")]  # and back
     assert adapter.device == CPU and adapter.swap is not None
+
+
+def test_an_assistant_lora_per_expert_merges_into_its_expert(tmp_path, tiny_cache):
+    """Two experts take one assistant LoRA each (`x_high_noise` / `x_low_noise`, the path naming either): each merges
+    into its own expert; a path naming no expert is refused, naming the convention."""
+    from safetensors.torch import save_file
+
+    from toolkit.errors import UserError
+
+    reference = load("tiny-wan2.2-a14b")
+    for expert, scale in (("high_noise", 1.0), ("low_noise", -2.0)):
+        state = {}
+        for target in ("attn1.to_q", "ffn.net.2"):
+            module = reference.transformer.blocks[0].get_submodule(target)
+            state[f"transformer.blocks.0.{target}.lora_A.weight"] = torch.full((2, module.in_features), 0.01)
+            state[f"transformer.blocks.0.{target}.lora_B.weight"] = torch.full((module.out_features, 2), scale)
+        save_file(state, str(tmp_path / f"assist_{expert}.safetensors"))
+    merged = load("tiny-wan2.2-a14b", assistant_lora_path=str(tmp_path / "assist_low_noise.safetensors"))
+    for name, scale in (("transformer", 1.0), ("transformer_2", -2.0)):
+        before = getattr(reference, name).blocks[0].attn1.to_q.weight
+        after = getattr(merged, name).blocks[0].attn1.to_q.weight
+        torch.testing.assert_close(after - before, torch.full_like(before, 2 * 0.01 * scale), rtol=1e-4, atol=1e-6)
+    (tmp_path / "plain.safetensors").write_bytes((tmp_path / "assist_high_noise.safetensors").read_bytes())
+    with pytest.raises(UserError, match="_high_noise.safetensors and <x>_low_noise"):
+        load("tiny-wan2.2-a14b", assistant_lora_path=str(tmp_path / "plain.safetensors"))

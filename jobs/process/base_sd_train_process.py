@@ -26,7 +26,7 @@ from toolkit.data.training_data import TrainingData
 from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, torch_dtype
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
-from toolkit.network.files import file_has_component, load_component, write_comfy_file
+from toolkit.network.files import file_has_component, load_component, part_file, write_comfy_file
 from toolkit.network.lora import add_lora, mirror_lora, write_components_file, write_peft_folder
 from toolkit.network.metadata import TrainingFacts, lora_metadata, reduce_path, tag_frequency
 from toolkit.paths import normalize_path
@@ -506,12 +506,3 @@ class BaseSDTrainProcess(BaseProcess):
         else:
             write_comfy_file(path, components, dtype, metadata, hashes)
 
-
-def part_file(path: Path, part: str, parts: list[str]) -> Path:
-    """The file of `part` beside `path`, a file of any of `parts` (`x_high_noise.safetensors` ->
-    `x_low_noise.safetensors`), or `path` itself when it names no part."""
-    stem = path.stem
-    for other in parts:
-        if stem.endswith(f"_{other}"):
-            return path.with_name(f"{stem[: -len(other) - 1]}_{part}{path.suffix}")
-    return path

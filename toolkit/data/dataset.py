@@ -125,6 +125,10 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None, frame_step: int = 
         records.append(ImageRecord(path, width, height, apply_trigger(caption, trigger_word, cfg.is_reg), clip))
     if short:
         raise DatasetError("\n".join(short))
+    clips = [r for r in records if r.clip is not None and r.clip.info.frames > 1]
+    if clips and cfg.num_frames == 1:
+        log.warning("%s: %d clip(s) train as one frame each (e.g. %s): datasets[].num_frames is 1; set it (e.g. 33) "
+                    "to train on their motion", folder, len(clips), clips[0].path.name)
     if not records:
         kinds = "image or clip" if video else "image"
         raise DatasetError(f"dataset folder {folder} has no usable {kinds} ({', '.join(sample_extensions(video))})")

@@ -349,3 +349,12 @@ def convert_file(source: Path, target: Path, to: str, namings: list[ComponentNam
             state.update(to_diffusers_form(folded, naming.prefix, naming.text_encoder, naming.diffusers_renames))
     write_safetensors(target, state, kept, kohya_hashes=any(k.startswith("ss_") for k in kept))
     return count
+
+def part_file(path: Path, part: str, parts: list[str]) -> Path:
+    """The file of `part` beside `path`, a file of any of `parts` (`x_high_noise.safetensors` ->
+    `x_low_noise.safetensors`), or `path` itself when it names no part."""
+    stem = path.stem
+    for other in parts:
+        if stem.endswith(f"_{other}"):
+            return path.with_name(f"{stem[: -len(other) - 1]}_{part}{path.suffix}")
+    return path

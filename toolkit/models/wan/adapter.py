@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
@@ -45,6 +46,7 @@ from toolkit.models.common import (
 )
 from toolkit.models.wan.config import FACTS, WanModelConfig
 from toolkit.models.wan.tiny import ensure_tiny_wan21, ensure_tiny_wan22_5b, ensure_tiny_wan22_a14b
+from toolkit.network.files import part_file
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
 from toolkit.quantize import StreamedWeights, load_quantized, quantize_blockwise
@@ -279,13 +281,15 @@ class WanAdapter(ModelAdapter):
         transformers = [t for t in loaded.values() if t is not None]
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
-                merge_assistant_lora(transformers, normalize_path(model_cfg.assistant_lora_path,
-                                                                  "model.assistant_lora_path"))
+                merge_assistant_lora(loaded, normalize_path(model_cfg.assistant_lora_path,
+                                                            "model.assistant_lora_path"))
             if model_cfg.quantize:
                 with memory_debug("transformer quantization", debug_memory):
                     for transformer in transformers:
                         quantize_blockwise(transformer, model_cfg.qtype, list(transformer.blocks),
                                            list(cls.QUANTIZATION_EXCLUDE), device)
+                        if swapping:
+                            move_frozen(transformer, "cpu")
         with memory_debug("text encoder, VAE load", debug_memory):
             parts = cls.load_components(source, dtype, model_cfg.qtype_te if model_cfg.quantize_te else None,
                                         device, **kw)
@@ -489,11 +493,22 @@ class WanAdapter(ModelAdapter):
                 "prediction_type": self.noise_schedule.prediction_type}
 
 
-def merge_assistant_lora(transformers: list[torch.nn.Module], path: str) -> None:
-    """Merge an assistant LoRA file (any form WanPipeline's loader reads) into the training transformer."""
-    from pathlib import Path
-
-    if not Path(path).is_file():
+def merge_assistant_lora(transformers: dict[str, WanTransformer3DModel | None], path: str) -> None:
+    """Merge an assistant LoRA file (any form WanPipeline's loader reads) into the training transformer; with two
+    experts, each expert's own file (`x_high_noise.safetensors` and `x_low_noise.safetensors`, `path` naming either)
+    into that expert."""
+    file = Path(path)
+    if not file.is_file():
         raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
-    state, metadata = WanPipeline.lora_state_dict(path, return_lora_metadata=True)
-    merge_lora_state(transformers[0], state, WanAdapter.files.prefix, metadata)
+    experts = len(transformers) > 1
+    if experts and part_file(file, EXPERTS[0], list(EXPERTS)) == file == part_file(file, EXPERTS[1], list(EXPERTS)):
+        raise UserError(f"model.assistant_lora_path: {path}: a model with two experts takes one assistant LoRA per "
+                        "expert, named <x>_high_noise.safetensors and <x>_low_noise.safetensors; name either")
+    for (_, transformer), expert in zip(transformers.items(), EXPERTS):
+        if transformer is None:
+            continue
+        own = part_file(file, expert, list(EXPERTS)) if experts else file
+        if not own.is_file():
+            raise FileNotFoundError(f"model.assistant_lora_path: no {own.name} beside {path} for the {expert} expert")
+        state, metadata = WanPipeline.lora_state_dict(str(own), return_lora_metadata=True)
+        merge_lora_state(transformer, state, WanAdapter.files.prefix, metadata)

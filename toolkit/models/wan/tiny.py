@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from toolkit.models.tiny import ensure_tiny, unigram_t5_tokenizer
 
 #: Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: the 48 channels' latent mean and std
@@ -66,6 +64,8 @@ TINY_WAN22_A14B = {"transformers": [_TRANSFORMER, _TRANSFORMER], "text_encoder":
 
 
 def _seeded(seed: int, build):
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
