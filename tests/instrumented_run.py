@@ -8,7 +8,8 @@
 - DIFFTUNE_TEST_CONTROL_AFTER=N:ACTION[,N:ACTION...]: right after update N the main process runs the real
   `python run.py --control RUN_FOLDER ACTION` in a subprocess (as a user in another terminal would).
 - DIFFTUNE_TEST_RECORD_LORA=DIR: when training ends, every process writes its trained adapter weights (every
-  component: the denoiser's and any text encoders') to DIR/rank<R>.safetensors.
+  component: the denoiser's or experts' and any text encoders', named as in a checkpoint) to
+  DIR/<job name>_rank<R>.safetensors.
 - DIFFTUNE_TEST_RECORD_MODEL_LOADS=DIR: every process appends to DIR/rank<R>.jsonl whether its model load
   asked for the sample-only models ({"sampling_models": bool}) and what it got ({"sampling_transformer": bool}).
 """
@@ -96,8 +97,8 @@ def record_lora(folder: Path):
 
     def wrap(original):
         def finish(self):
-            state = components_state_dict(self.components, torch.float32)
-            save_file(state, str(folder / f"rank{self.accelerator.process_index}.safetensors"))
+            state = components_state_dict([c.in_checkpoint() for c in self.components], torch.float32)
+            save_file(state, str(folder / f"{self.job.name}_rank{self.accelerator.process_index}.safetensors"))
             return original(self)
         return finish
 

@@ -1,6 +1,8 @@
-"""The transformer families (and the Wuerstchen prior) on two processes, in one launch: the job files run in turn in
-the same two processes (gloo), so the launch's start-up (two interpreters importing torch, diffusers and
-transformers) is paid once rather than once per family. Each job is the family's own test configuration."""
+"""Two-process checks in one launch: the transformer families (and the Wuerstchen prior), SDXL with its text
+encoders trained, and a LoKr with module dropout. The job files run in turn in the same two processes (gloo), so the
+launch's start-up (two interpreters importing torch, diffusers and transformers) is paid once rather than once per
+job. Each job is its family's own test configuration; every process's trained weights are recorded at the end, and
+must be the same on both."""
 
 from __future__ import annotations
 
@@ -9,9 +11,13 @@ import math
 
 import numpy as np
 import pytest
-from helpers import REPO, launch, write_job
+import torch
+from helpers import REPO, launch, trainer_process, write_job
+from safetensors.torch import load_file
 from test_flux_training import flux_process
 from test_qwen_image_training import qwen_process
+from test_sdxl_training import sdxl_process
+from test_text_encoder_lora import cosine_factor
 from test_wan_training import wan_process
 from test_wuerstchen import wuerstchen_process
 from test_zimage_training import zimage_process
@@ -22,9 +28,10 @@ from toolkit.run.metrics import read_metrics
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
-    """Per family: the planned updates with finite losses, the LR a function of the update index whatever the
-    process count, the LoRA written; quantized bases (Z-Image, Qwen-Image) in DDP; only the main process loads
-    Z-Image's sample-only transformer."""
+    """Per job: the planned updates with finite losses, the LR a function of the update index whatever the process
+    count, the LoRA written and the same on both processes; quantized bases (Z-Image, Qwen-Image) in DDP; only the
+    main process loads Z-Image's sample-only transformer; SDXL's text encoders train (outside DDP) and follow their
+    own LR; Wan 2.2 A14B's experts train in turn (DDP leaves the idle expert's LoRA without a gradient)."""
     jobs = {
         # DDP over a quanto-quantized frozen base; only the main process renders samples, so only it loads (and
         # quantizes) the separate sampling transformer
@@ -42,14 +49,28 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
                                                                        "lr_scheduler": "linear",
                                                                        "cache_text_embeddings": True}),
     }
-    for name in ("flux", "qwen_image", "wan"):
+    # the text encoders are outside DDP (their gradients averaged by hand); the LR plan is one process's
+    jobs["sdxl_te"] = sdxl_process(tmp_path / "sdxl_te", network={"linear": 4, "linear_alpha": 4,
+                                                                  "train_text_encoder": True},
+                                   train={"steps": 4, "gradient_accumulation": 2, "lr_scheduler": "cosine",
+                                          "lr_warmup_steps": 1, "text_encoder_lr": 5e-4})
+    # peft's LoKr skips a dropped module entirely, so its weights miss a gradient that step; DDP is told to expect it
+    jobs["lokr"] = trainer_process(tmp_path / "lokr", network={"type": "lokr", "linear": 4, "linear_alpha": 4,
+                                                                "module_dropout": 0.5},
+                                   train={"steps": 4, "batch_size": 1})
+    for name in ("flux", "qwen_image", "wan", "sdxl_te"):
         jobs[name]["datasets"][0]["cache_latents"] = True
     paths = [str(write_job(tmp_path / f"{name}.yaml", name, process)) for name, process in jobs.items()]
-    loads = tmp_path / "loads"
+    loads, weights = tmp_path / "loads", tmp_path / "weights"
     loads.mkdir()
+    weights.mkdir()
     result = launch(paths[0], 2, tmp_path, extra_jobs=paths[1:], script=REPO / "tests" / "instrumented_run.py",
-                    env={"DIFFTUNE_TEST_RECORD_MODEL_LOADS": str(loads)})
+                    env={"DIFFTUNE_TEST_RECORD_MODEL_LOADS": str(loads), "DIFFTUNE_TEST_RECORD_LORA": str(weights)})
     assert result.returncode == 0, result.stderr[-3000:]
+    for name in jobs:  # DDP (and the hand-averaged text encoders) keep every process's weights the same
+        first, second = (load_file(str(weights / f"{name}_rank{rank}.safetensors")) for rank in (0, 1))
+        assert first and first.keys() == second.keys(), name
+        assert all(torch.equal(first[key], second[key]) for key in first), name
 
     def records(name: str) -> list[dict]:
         run_dir = tmp_path / name / "output" / name
@@ -65,6 +86,14 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     for name in ("flux", "qwen_image"):
         assert [r["lr"] for r in records(name)] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3]), name
     assert [r["step"] for r in records("wuerstchen")] == list(range(1, 7))
+    factors = [cosine_factor(k, warmup=1, total=4) for k in range(4)]
+    assert [r["lr"] for r in records("sdxl_te")] == pytest.approx([1e-3 * f for f in factors])
+    assert [r["lr_text_encoder"] for r in records("sdxl_te")] == pytest.approx([5e-4 * f for f in factors])
+    sdxl_te = load_file(str(weights / "sdxl_te_rank0.safetensors"))
+    assert any(sdxl_te[k].abs().max() > 0 for k in sdxl_te if k.startswith("text_encoder") and "lora.up" in k)
+    assert [r["step"] for r in records("lokr")] == [1, 2, 3, 4]
+    wan_weights = load_file(str(weights / "wan_rank0.safetensors"))
+    assert {key.split(".", 1)[0] for key in wan_weights} == {"high_noise", "low_noise"}
     wan = tmp_path / "wan" / "output" / "wan"
     assert [r["lr"] for r in records("wan")] == pytest.approx([1e-3, 1e-3 * 3 / 4, 1e-3 / 2, 1e-3 / 4])
     assert all((wan / f"wan_{expert}.safetensors").is_file() for expert in ("high_noise", "low_noise"))

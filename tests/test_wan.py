@@ -31,7 +31,11 @@ def adapter(request, tiny_cache) -> WanAdapter:
 
 @pytest.fixture(scope="module")
 def pipe(adapter) -> WanPipeline:
-    pipe = adapter.sampling.pipeline()
+    """The sampling pipeline with the text encoder (which sampling leaves out), to encode prompts as WanPipeline."""
+    sampling = adapter.sampling.pipeline()
+    assert sampling.text_encoder is None
+    pipe = WanPipeline(**{**sampling.components, "text_encoder": adapter.text_encoder},
+                       boundary_ratio=sampling.config.boundary_ratio, expand_timesteps=sampling.config.expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -151,7 +155,8 @@ def test_a_video_sample_has_the_asked_frames_and_its_metadata(tmp_path, tiny_cac
 
     adapter = load("tiny")
     cfg = SampleConfig(prompts=["a red ball"], width=32, height=32, num_frames=9, fps=8, sample_steps=2)
-    [path] = SampleRenderer(cfg, None, tmp_path, "tiny").render(adapter, step=3)
+    renderer = SampleRenderer(cfg, None, tmp_path, "tiny")
+    [path] = renderer.render(adapter, step=3, conditioning=renderer.conditioning(adapter))
     assert path.name == "step_000000003_0.mp4"
     info = clip_info(path)
     assert (info.frames, info.fps, info.width, info.height) == (9, 8.0, 32, 32)

@@ -189,10 +189,11 @@ def test_one_expert_alone(tmp_path, registry, tiny_cache, monkeypatch):
 
 @pytest.mark.slow
 def test_ctrl_c_and_rerun_continue_exactly_with_the_video_latent_cache(tmp_path, tiny_cache):
-    """Two experts in turn, clips through the disk latent cache, captions dropped at random: the same losses, LRs and
-    both expert files, bit for bit, after a stop and a rerun."""
+    """Two experts in turn (gradient checkpointing through both), clips through the disk latent cache, captions
+    dropped at random: the same losses, LRs and both expert files, bit for bit, after a stop and a rerun."""
     process = wan_process(tmp_path, "tiny-wan2.2-a14b", network={"linear": 4, "linear_alpha": 4, "dropout": 0.1},
-                          train={"steps": 6, "gradient_accumulation": 2, "lr_scheduler": "linear"},
+                          train={"steps": 6, "gradient_accumulation": 2, "lr_scheduler": "linear",
+                                 "gradient_checkpointing": True},
                           save={"save_every": 2, "max_step_saves_to_keep": 3})
     process["datasets"][0].update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"),
                                   caption_dropout_rate=0.2)

@@ -162,14 +162,17 @@ class WanText(TextRules):
 
 class WanSampling(SamplingParts):
     """WanPipeline over the current components (both experts where the model has two), fed the adapter's prompt
-    embeddings; classifier-free guidance with `sample.neg` as the negative prompt (5.0, as the pipeline's)."""
+    embeddings (the text encoder leaves before the transformer samples); classifier-free guidance with `sample.neg`
+    as the negative prompt (5.0, as the pipeline's)."""
 
     default_guidance_scale = 5.0
     default_steps = 30
 
     def pipeline(self) -> WanPipeline:
+        """Without the text encoder: samples are rendered from `conditioning`'s embeddings, and WanPipeline takes
+        its execution device from its first model, which would be an offloaded text encoder's CPU."""
         a = self.adapter
-        return WanPipeline(tokenizer=a.tokenizer, text_encoder=a.text_encoder, vae=a.vae,
+        return WanPipeline(tokenizer=a.tokenizer, text_encoder=None, vae=a.vae,
                            scheduler=UniPCMultistepScheduler.from_config(a.scheduler.config),
                            transformer=a.transformer, transformer_2=a.transformer_2,
                            boundary_ratio=a.boundary_ratio, expand_timesteps=a.expand_timesteps)
