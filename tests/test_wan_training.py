@@ -19,8 +19,10 @@ from helpers import (
 )
 from helpers import trainer_process as base_process
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from toolkit.data.clips import clip_info
+from toolkit.network.lora import lora_state_dict
 from toolkit.run.metrics import read_metrics
 from toolkit.run.video import video_metadata, write_video
 
@@ -142,7 +144,7 @@ def test_two_experts_train_on_their_own_noise_ranges_and_write_a_file_each(tmp_p
 
     monkeypatch.setattr(WanExperts, "forward", recording)
     process = wan_process(tmp_path, "tiny-wan2.2-a14b", model={"expert_switch_every": 2, "low_vram": True},
-                          train={"steps": 8, "batch_size": 4, "lr": 3e-3},
+                          train={"steps": 8, "batch_size": 4, "lr": 3e-3}, save={"formats": ["diffusers"]},
                           sample={"prompts": ["shp, a square"], "width": 32, "height": 32, "sample_steps": 4,
                                   "num_frames": 5})
     trainer, run_dir = run_job(tmp_path, registry, "a14b", process)
@@ -151,8 +153,9 @@ def test_two_experts_train_on_their_own_noise_ranges_and_write_a_file_each(tmp_p
         "low_noise"] * 2
     for expert, low, high in calls:
         assert (low >= 875.0) if expert == "high_noise" else (high < 875.0), calls
-    assert sorted(p.name for p in run_dir.glob("a14b*.safetensors")) == ["a14b_high_noise.safetensors",
-                                                                        "a14b_low_noise.safetensors"]
+    assert sorted(p.name for p in run_dir.glob("a14b*.safetensors")) == [
+        "a14b_high_noise.diffusers.safetensors", "a14b_high_noise.safetensors", "a14b_low_noise.diffusers.safetensors",
+        "a14b_low_noise.safetensors"]
     assert clip_info(run_dir / "samples" / "step_000000008_0.mp4").frames == 5
     pipe = WanPipeline.from_pretrained(trainer.adapter.source)
     pipe.set_progress_bar_config(disable=True)
@@ -164,6 +167,19 @@ def test_two_experts_train_on_their_own_noise_ranges_and_write_a_file_each(tmp_p
                            adapter_name="low")
     both = render(pipe, 8)
     assert abs(high_only - base).max() > 1e-4 and abs(both - high_only).max() > 1e-4
+
+    # a later run continues from the pair: `pretrained_lora_path` naming either file loads each expert's own
+    again = wan_process(tmp_path, "tiny-wan2.2-a14b",
+                        network={"pretrained_lora_path": str(run_dir / "a14b_low_noise.safetensors")},
+                        train={"steps": 1, "batch_size": 4, "lr": 1e-9})
+    continued, _ = run_job(tmp_path, registry, "again", again)
+    for component in continued.components:
+        saved = load_file(str(run_dir / f"a14b_{component.file_part}.diffusers.safetensors"))
+        now = lora_state_dict(component.module, "transformer", torch.float32)
+        assert now.keys() == {k.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up.") for k in saved}
+        for key, value in saved.items():
+            mine = now[key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up.")]
+            torch.testing.assert_close(mine, value, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
