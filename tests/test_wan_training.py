@@ -18,6 +18,7 @@ from helpers import (
     straight_and_resumed,
 )
 from helpers import trainer_process as base_process
+from instrumented_run import control_after
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -185,7 +186,8 @@ def test_two_experts_train_on_their_own_noise_ranges_and_write_a_file_each(tmp_p
 @pytest.mark.slow
 def test_one_expert_alone(tmp_path, registry, tiny_cache, monkeypatch):
     """`model.experts: [low_noise]`: only the low-noise expert trains (timesteps below the boundary only) and only
-    its file is written; the high-noise transformer has no LoRA."""
+    its file is written; the high-noise transformer has no LoRA. A control request renders a sample video mid-run,
+    and the report shows it."""
     from toolkit.models.wan.adapter import WanExperts
 
     seen: list[tuple[str, float]] = []
@@ -196,9 +198,14 @@ def test_one_expert_alone(tmp_path, registry, tiny_cache, monkeypatch):
         return forward(self, expert, **kwargs)
 
     monkeypatch.setattr(WanExperts, "forward", recording)
-    process = wan_process(tmp_path, "tiny-wan2.2-a14b", model={"experts": ["low_noise"]}, train={"steps": 3})
-    trainer, run_dir = run_job(tmp_path, registry, "low", process)
+    process = wan_process(tmp_path, "tiny-wan2.2-a14b", model={"experts": ["low_noise"]}, train={"steps": 3},
+                          sample={"prompts": ["shp, a square"], "width": 32, "height": 32, "sample_steps": 2,
+                                  "num_frames": 5})
+    with control_after({2: ["sample"]}):  # a user's `run.py --control RUN sample` mid-run
+        trainer, run_dir = run_job(tmp_path, registry, "low", process)
     assert seen and all(expert == "low_noise" and t < 875.0 for expert, t in seen)
+    assert clip_info(run_dir / "samples" / "step_000000002_0.mp4").frames == 5
+    assert "samples/step_000000002_0.mp4" in (run_dir / "report.html").read_text()
     assert [p.name for p in run_dir.glob("low*.safetensors")] == ["low_low_noise.safetensors"]
     assert not getattr(trainer.adapter.transformer, "peft_config", None)
 
