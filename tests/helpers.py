@@ -173,6 +173,27 @@ def held_out_loss(adapter, denoiser, pixels: torch.Tensor, captions: list[str]) 
     return mse_loss(prediction, adapter.noise_schedule.target(latents, noise, t)).item()
 
 
+def held_out_without_and_with_lora(adapter, denoiser, pixels: torch.Tensor, captions: list[str]) -> tuple[float, float]:
+    """`held_out_loss` of a trained denoiser (eval mode) with its adapters disabled, then enabled."""
+    denoiser.eval()
+    denoiser.disable_adapters()
+    before = held_out_loss(adapter, denoiser, pixels, captions)
+    denoiser.enable_adapters()
+    return before, held_out_loss(adapter, denoiser, pixels, captions)
+
+
+def pipelines_with_lora(pipeline_class, source, run_dir: Path, names: tuple[str | None, ...]) -> dict:
+    """{file name: the pipeline from `source` with that LoRA file of `run_dir` loaded} (None: without a LoRA)."""
+    pipes = {}
+    for name in names:
+        pipe = pipeline_class.from_pretrained(source)
+        pipe.set_progress_bar_config(disable=True)
+        if name:
+            pipe.load_lora_weights(str(run_dir), weight_name=name)
+        pipes[name] = pipe
+    return pipes
+
+
 def straight_and_resumed(tmp_path: Path, process: dict) -> tuple[Path, Path]:
     """The job run straight through (`straight`), and the same job stopped by Ctrl-C after 3 updates (no final LoRA
     yet) and run again (`resumed`): their run folders."""

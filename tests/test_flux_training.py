@@ -11,7 +11,9 @@ from diffusers import FluxPipeline
 from helpers import (
     assert_same_training,
     held_out_loss,
+    held_out_without_and_with_lora,
     merge_sections,
+    pipelines_with_lora,
     run_job,
     square_batch,
     straight_and_resumed,
@@ -53,12 +55,7 @@ def test_dev_on_a_qint8_base_with_quantized_t5_and_both_caches(tmp_path, registr
     assert isinstance(adapter.transformer.get_submodule("transformer_blocks.0.attn.to_q").base_layer, QModuleMixin)
     assert any(isinstance(m, QModuleMixin) for m in adapter.text_encoder_2.modules())
     pixels, captions = square_batch(tmp_path / "data", adapter.divisor)
-    transformer = adapter.transformer
-    transformer.eval()
-    after = held_out_loss(adapter, transformer, pixels, captions)
-    transformer.disable_adapters()
-    before = held_out_loss(adapter, transformer, pixels, captions)
-    transformer.enable_adapters()
+    before, after = held_out_without_and_with_lora(adapter, adapter.transformer, pixels, captions)
     assert after < before * 0.97, (before, after)
     text = Image.open(run_dir / "samples" / "step_000000030_0.png").text
     assert text["pipeline"] == "FluxPipeline" and text["guidance_scale"] == "3.5"
@@ -95,13 +92,7 @@ def test_schnell_lora_loads_in_flux_pipeline_in_both_forms(schnell_trained):
     adapter = trainer.adapter
     folder = adapter.source
     pixels, captions = square_batch(run_dir.parents[1] / "data", adapter.divisor)
-    pipes = {}
-    for name in (None, "schnell.safetensors", "schnell.diffusers.safetensors"):
-        pipe = FluxPipeline.from_pretrained(folder)
-        pipe.set_progress_bar_config(disable=True)
-        if name:
-            pipe.load_lora_weights(str(run_dir), weight_name=name)
-        pipes[name] = pipe
+    pipes = pipelines_with_lora(FluxPipeline, folder, run_dir, (None, "schnell.safetensors", "schnell.diffusers.safetensors"))
     base, primary, diffusers_form = (render(p) for p in pipes.values())
     assert abs(primary - base).max() > 1e-3 and abs(primary - diffusers_form).max() < 1e-5
     before = held_out_loss(adapter, pipes[None].transformer, pixels, captions)

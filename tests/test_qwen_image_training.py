@@ -13,7 +13,9 @@ from diffusers import QwenImagePipeline
 from helpers import (
     assert_same_training,
     held_out_loss,
+    held_out_without_and_with_lora,
     merge_sections,
+    pipelines_with_lora,
     run_job,
     square_batch,
     straight_and_resumed,
@@ -67,12 +69,7 @@ def test_quantized_base_and_text_encoder_with_both_caches_and_its_lora_in_the_pi
     assert isinstance(adapter.transformer.get_submodule("transformer_blocks.0.attn.to_q").base_layer, QModuleMixin)
     assert any(isinstance(m, QModuleMixin) for m in adapter.text_encoder.modules())
     pixels, captions = square_batch(tmp_path / "data", adapter.divisor)
-    transformer = adapter.transformer
-    transformer.eval()
-    after = held_out_loss(adapter, transformer, pixels, captions)
-    transformer.disable_adapters()
-    before = held_out_loss(adapter, transformer, pixels, captions)
-    transformer.enable_adapters()
+    before, after = held_out_without_and_with_lora(adapter, adapter.transformer, pixels, captions)
     assert after < before * 0.97, (before, after)
     text = Image.open(run_dir / "samples" / "step_000000030_0.png").text
     assert (text["pipeline"], text["true_cfg_scale"], text["negative_prompt"]) == ("QwenImagePipeline", "4.0", "blurry")
@@ -84,13 +81,7 @@ def test_quantized_base_and_text_encoder_with_both_caches_and_its_lora_in_the_pi
     assert "diffusion_model.transformer_blocks.0.txt_mlp.net.2.alpha" in keys
     assert all(k.startswith("diffusion_model.") for k in keys)
     assert header["modelspec.architecture"] == "qwen-image/lora" and header["ss_base_model_version"] == "qwen_image"
-    pipes = {}
-    for name in (None, "q.safetensors", "q.diffusers.safetensors"):
-        pipe = QwenImagePipeline.from_pretrained(adapter.source)
-        pipe.set_progress_bar_config(disable=True)
-        if name:
-            pipe.load_lora_weights(str(run_dir), weight_name=name)
-        pipes[name] = pipe
+    pipes = pipelines_with_lora(QwenImagePipeline, adapter.source, run_dir, (None, "q.safetensors", "q.diffusers.safetensors"))
     base, primary, diffusers_form = (render(p) for p in pipes.values())
     assert abs(primary - base).max() > 1e-3 and abs(primary - diffusers_form).max() < 1e-5
     full_before = held_out_loss(adapter, pipes[None].transformer, pixels, captions)

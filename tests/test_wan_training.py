@@ -11,9 +11,10 @@ import torch
 from diffusers import WanPipeline
 from helpers import (
     assert_same_training,
-    held_out_loss,
+    held_out_without_and_with_lora,
     make_image,
     merge_sections,
+    pipelines_with_lora,
     run_job,
     straight_and_resumed,
 )
@@ -94,12 +95,7 @@ def test_clips_and_an_image_with_a_quantized_base_both_caches_and_its_lora_in_th
     adapter = trainer.adapter
     pixels, captions = clip_batch(adapter, tmp_path / "data")
     assert pixels.shape == (3, 3, 5, 32, 32)
-    transformer = adapter.transformer
-    transformer.eval()
-    after = held_out_loss(adapter, transformer, pixels, captions)
-    transformer.disable_adapters()
-    before = held_out_loss(adapter, transformer, pixels, captions)
-    transformer.enable_adapters()
+    before, after = held_out_without_and_with_lora(adapter, adapter.transformer, pixels, captions)
     assert after < before * 0.97, (before, after)
 
     sample = run_dir / "samples" / "step_000000030_0.mp4"
@@ -116,14 +112,8 @@ def test_clips_and_an_image_with_a_quantized_base_both_caches_and_its_lora_in_th
     assert "diffusion_model.blocks.1.cross_attn.o.alpha" in keys and "diffusion_model.blocks.1.ffn.2.lora_up.weight" in keys
     assert all(k.startswith("diffusion_model.") for k in keys)
     assert header["modelspec.architecture"] == "wan/lora" and header["ss_base_model_version"] == "wan"
-    outputs = {}
-    for name in (None, "w.safetensors", "w.diffusers.safetensors"):
-        pipe = WanPipeline.from_pretrained(adapter.source)
-        pipe.set_progress_bar_config(disable=True)
-        if name:
-            pipe.load_lora_weights(str(run_dir), weight_name=name)
-        outputs[name] = render(pipe)
-    base, primary, diffusers_form = outputs.values()
+    pipes = pipelines_with_lora(WanPipeline, adapter.source, run_dir, (None, "w.safetensors", "w.diffusers.safetensors"))
+    base, primary, diffusers_form = (render(pipe) for pipe in pipes.values())
     assert abs(primary - base).max() > 1e-3 and abs(primary - diffusers_form).max() < 1e-5
 
 

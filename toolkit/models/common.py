@@ -41,6 +41,27 @@ def vae_latents(dist: LatentDist, generator: torch.Generator | None, scaling: fl
     return (mean + std * eps - shift) * scaling
 
 
+class ChannelNormalizedLatents:
+    """Latents normalised per channel with the VAE config's `latents_mean` / `latents_std` (Qwen-Image, Wan): the
+    pipelines decode latents * std + mean, so training latents are (sample - mean) / std. The statistics are kept
+    per device, shaped to broadcast over latents with `spatial_dims` trailing axes (2: images, 3: video)."""
+
+    def __init__(self, vae_config, spatial_dims: int):
+        self.stats = (torch.tensor(vae_config.latents_mean).float(), torch.tensor(vae_config.latents_std).float())
+        self.shape = (1, -1) + (1,) * spatial_dims
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) on `device`, copied there once."""
+        if device not in self._on:
+            self._on[device] = tuple(to_device(s.view(self.shape), device) for s in self.stats)
+        return self._on[device]
+
+    def sample(self, dist: LatentDist, generator: torch.Generator | None) -> torch.Tensor:
+        mean, std = self.on(dist.mean.device)
+        return vae_latents(dist, generator, 1 / std, mean)
+
+
 def weights_fingerprint(module: torch.nn.Module, buffers: bool = False) -> str:
     """A digest of a module's weights (each tensor's sum and norm), and of its floating-point buffers when
     asked (e.g. BatchNorm statistics): a VAE or text encoder swapped in under the same path and config still

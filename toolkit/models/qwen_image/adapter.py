@@ -37,13 +37,13 @@ from toolkit.models.base import (
     TextRules,
 )
 from toolkit.models.common import (
+    ChannelNormalizedLatents,
     dynamic_shift_schedule,
     encoder_identity,
     is_single_file,
     place_frozen,
     subfolder_weight_files,
     transformers_quantization,
-    vae_latents,
 )
 from toolkit.models.qwen_image.config import FACTS, QwenImageModelConfig
 from toolkit.models.qwen_image.tiny import ensure_tiny_qwen_image
@@ -167,8 +167,8 @@ class QwenImageAdapter(ModelAdapter):
         self.vae_scale = 2 ** len(vae.temperal_downsample)
         self.divisor = self.vae_scale * PATCH_SIZE
         self._denoiser: torch.nn.Module = transformer
-        #: the VAE's per-channel latent mean and std per device, float32 [1, C, 1, 1]
-        self._latent_stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: latents normalised with the VAE's per-channel mean and std, as the pipeline denormalises them
+        self.latent_norm = ChannelNormalizedLatents(vae.config, spatial_dims=2)
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -295,16 +295,7 @@ class QwenImageAdapter(ModelAdapter):
         return LatentDist(posterior.mean.squeeze(2), posterior.std.squeeze(2))
 
     def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
-        # the pipeline decodes latents * latents_std + latents_mean per channel: training latents are the inverse
-        mean, std = self.latent_stats(dist.mean.device)
-        return vae_latents(dist, generator, 1 / std, mean)
-
-    def latent_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._latent_stats:
-            config = self.vae.config
-            stats = (torch.tensor(config.latents_mean), torch.tensor(config.latents_std))
-            self._latent_stats[device] = tuple(to_device(s.float().view(1, -1, 1, 1), device) for s in stats)
-        return self._latent_stats[device]
+        return self.latent_norm.sample(dist, generator)
 
     def image_encoder_modules(self) -> list[torch.nn.Module]:
         return [self.vae]

@@ -37,12 +37,12 @@ from toolkit.models.base import (
     denoiser_component,
 )
 from toolkit.models.common import (
+    ChannelNormalizedLatents,
     encoder_identity,
     is_single_file,
     place_frozen,
     subfolder_weight_files,
     transformers_quantization,
-    vae_latents,
 )
 from toolkit.models.wan.config import FACTS, WanModelConfig
 from toolkit.models.wan.tiny import ensure_tiny_wan21, ensure_tiny_wan22_5b, ensure_tiny_wan22_a14b
@@ -242,8 +242,8 @@ class WanAdapter(ModelAdapter):
         self._denoiser: torch.nn.Module = self.experts if self.experts is not None else transformer
         #: low_vram with two experts: which one is on the accelerator (set by `load`)
         self.swap: OneExpertOnDevice | None = None
-        #: the VAE's per-channel latent mean and std per device, float32 [1, C, 1, 1, 1]
-        self._latent_stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: latents normalised with the VAE's per-channel mean and std, as the pipeline denormalises them
+        self.latent_norm = ChannelNormalizedLatents(vae.config, spatial_dims=3)
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -398,16 +398,7 @@ class WanAdapter(ModelAdapter):
         return LatentDist(posterior.mean, posterior.std)
 
     def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:
-        # the pipeline decodes latents * latents_std + latents_mean per channel: training latents are the inverse
-        mean, std = self.latent_stats(dist.mean.device)
-        return vae_latents(dist, generator, 1 / std, mean)
-
-    def latent_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._latent_stats:
-            config = self.vae.config
-            stats = (torch.tensor(config.latents_mean), torch.tensor(config.latents_std))
-            self._latent_stats[device] = tuple(to_device(s.float().view(1, -1, 1, 1, 1), device) for s in stats)
-        return self._latent_stats[device]
+        return self.latent_norm.sample(dist, generator)
 
     def image_encoder_modules(self) -> list[torch.nn.Module]:
         return [self.vae]
