@@ -210,10 +210,12 @@ def convert_lora(args: argparse.Namespace) -> int:
         # text encoders' module trees
         relayout = args.to == "comfy" and files.comfy_renames is not None
         others = family.facts.text_encoder_lora and has_other_components(source, files)
-        if others or (files.comfy_separator == "_" and (is_comfy_file(source, files) or relayout)):
+        renamed = files.comfy_separator == "_" or files.comfy_renames is not None
+        if others or (renamed and (is_comfy_file(source, files) or relayout)):
             adapter = load_for_names(family, arch, source, args.model, header.get("difftune_base_model"))
-            components = adapter.lora_components(text_encoders=others)
-            namings = [ComponentNaming.of(c) for c in components]
+            # components that share their files' names (one file per expert) need naming once: the first
+            components = list({c.prefix: c for c in reversed(adapter.lora_components(text_encoders=others))}.values())
+            namings = [ComponentNaming.of(c) for c in reversed(components)]
         else:
             namings = [ComponentNaming.of_files(files)]
         count = convert_file(source, target, args.to, namings)

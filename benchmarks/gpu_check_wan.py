@@ -1,7 +1,7 @@
 """Device check for Wan 2.2 A14B's two experts on a CUDA machine, before trusting a long run to them:
 
 a short training job through the real path (both experts quantized, low_vram, the experts in turn, clips through both
-caches, a sample video), recording at every expert forward how much of each expert's frozen weight is on the GPU:
+caches, a sample video), recording at every training forward how much of each expert's frozen weight is on the GPU:
 with low_vram exactly one expert may be there at a time (the one that runs). Prints the accelerator memory per phase
 from the trainer's own `logging.debug_memory` records, the peak while training, and exits non-zero on a failure.
 

@@ -45,9 +45,13 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
         "wuerstchen": wuerstchen_process(tmp_path / "wuerstchen", train={"steps": 6, "batch_size": 1, "lr": 1e-3}),
         # Wan 2.2 A14B on clips and an image (a clip is one sample): the experts in turn, so each update leaves the
         # other expert's LoRA without a gradient in DDP
-        "wan": wan_process(tmp_path / "wan", "tiny-wan2.2-a14b", train={"steps": 4, "batch_size": 1,
-                                                                       "lr_scheduler": "linear",
-                                                                       "cache_text_embeddings": True}),
+        # other expert's LoRA without a gradient in DDP: it must not move (weight decay would move it otherwise)
+        "wan": wan_process(tmp_path / "wan", "tiny-wan2.2-a14b", model={"expert_switch_every": 2},
+                           train={"steps": 4, "batch_size": 1, "lr_scheduler": "linear", "cache_text_embeddings": True,
+                                  "optimizer_params": {"weight_decay": 0.1}},
+                           save={"save_every": 1, "max_step_saves_to_keep": 4}),
+        # one transformer (Wan 2.1) wrapped by DDP
+        "wan21": wan_process(tmp_path / "wan21", train={"steps": 2, "batch_size": 1}),
     }
     # the text encoders are outside DDP (their gradients averaged by hand); the LR plan is one process's
     jobs["sdxl_te"] = sdxl_process(tmp_path / "sdxl_te", network={"linear": 4, "linear_alpha": 4,
@@ -58,7 +62,7 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     jobs["lokr"] = trainer_process(tmp_path / "lokr", network={"type": "lokr", "linear": 4, "linear_alpha": 4,
                                                                 "module_dropout": 0.5},
                                    train={"steps": 4, "batch_size": 1})
-    for name in ("flux", "qwen_image", "wan", "sdxl_te"):
+    for name in ("flux", "qwen_image", "wan", "wan21", "sdxl_te"):
         jobs[name]["datasets"][0]["cache_latents"] = True
     paths = [str(write_job(tmp_path / f"{name}.yaml", name, process)) for name, process in jobs.items()]
     loads, weights = tmp_path / "loads", tmp_path / "weights"
@@ -94,6 +98,12 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     assert [r["step"] for r in records("lokr")] == [1, 2, 3, 4]
     wan_weights = load_file(str(weights / "wan_rank0.safetensors"))
     assert {key.split(".", 1)[0] for key in wan_weights} == {"high_noise", "low_noise"}
+    checkpoints = tmp_path / "wan" / "output" / "wan" / "checkpoints"
+    first, second = (load_file(str(checkpoints / f"step_00000000{s}" / "lora.safetensors")) for s in (1, 2))
+    for expert, moved in (("high_noise", True), ("low_noise", False)):  # updates 1 and 2 train the high-noise one
+        keys = [k for k in first if k.startswith(expert)]
+        assert keys and any(not torch.equal(first[k], second[k]) for k in keys) == moved, expert
+    assert [r["step"] for r in records("wan21")] == [1, 2]
     wan = tmp_path / "wan" / "output" / "wan"
     assert [r["lr"] for r in records("wan")] == pytest.approx([1e-3, 1e-3 * 3 / 4, 1e-3 / 2, 1e-3 / 4])
     assert all((wan / f"wan_{expert}.safetensors").is_file() for expert in ("high_noise", "low_noise"))

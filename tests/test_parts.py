@@ -101,6 +101,23 @@ def test_run_folder_overwrite_removes_only_what_a_run_writes(tmp_path):
     assert (folder.root / "notes.txt").exists() and (folder.root / "config.yaml").read_text() == "a: 1\n"
 
 
+def test_run_folder_knows_the_files_of_its_familys_parts_and_nothing_else(tmp_path):
+    """Wan 2.2 A14B writes a file per expert: overwrite and set-aside take those (every form, peft folders too), not
+    another file that merely starts with the run's name."""
+    folder = RunFolder(tmp_path / "run", "run", ("high_noise", "low_noise"))
+    theirs = [folder.final_lora_form("comfy", "comfy", "high_noise"),
+              folder.final_lora_form("diffusers", "comfy", "low_noise")]
+    mine = [folder.root / "run_backup.safetensors", folder.root / "run_old_peft" / "adapter_config.json"]
+    for path in theirs + mine:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    folder.final_lora_form("peft", "comfy", "high_noise").mkdir()
+    assert [p.name for p in folder.final_loras()] == ["run_high_noise.safetensors", "run_high_noise_peft",
+                                                      "run_low_noise.diffusers.safetensors"]
+    folder.open(overwrite=True, resolved_config={"a": 1})
+    assert not any(p.exists() for p in theirs) and all(p.exists() for p in mine)
+
+
 # ---- checkpoints -----------------------------------------------------------------------------------------
 
 

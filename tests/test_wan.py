@@ -217,14 +217,36 @@ def test_low_vram_keeps_one_expert_on_the_accelerator(tiny_cache, monkeypatch):
     adapter = load("tiny-wan2.2-a14b", low_vram=True)
     names = {id(adapter.transformer): "high_noise", id(adapter.transformer_2): "low_noise"}
     monkeypatch.setattr(wan, "move_frozen", lambda module, device: moves.append((names[id(module)], str(device))))
+    adapter.swap.device = torch.device("meta")  # where the running expert goes, told apart from the CPU
     embeds = adapter.encode_prompts(["a cat"])
     noisy = torch.randn(1, 16, 2, 4, 4)
     for t in (950.0, 990.0, 300.0, 100.0, 900.0):
         adapter.predict(noisy, torch.tensor([t]), embeds)
-    assert moves == [("low_noise", "cpu"), ("high_noise", "cpu"),  # the first run: high noise arrives
-                     ("high_noise", "cpu"), ("low_noise", "cpu"),  # switch to low noise
-                     ("low_noise", "cpu"), ("high_noise", "cpu")]  # and back
-    assert adapter.device == CPU and adapter.swap is not None
+    assert moves == [("low_noise", "cpu"), ("high_noise", "meta"),  # the first run: high noise arrives
+                     ("high_noise", "cpu"), ("low_noise", "meta"),  # switch to low noise
+                     ("low_noise", "cpu"), ("high_noise", "meta")]  # and back
+    assert adapter.swap is not None and adapter.sample_only == []
+
+
+def test_expert_files_are_found_beside_either_in_any_form():
+    from pathlib import Path
+
+    from toolkit.network.files import part_file
+
+    parts = list(wan.EXPERTS)
+    assert part_file(Path("/r/x_high_noise.safetensors"), "low_noise", parts) == Path("/r/x_low_noise.safetensors")
+    assert part_file(Path("/r/x_low_noise.diffusers.safetensors"), "high_noise", parts) == Path(
+        "/r/x_high_noise.diffusers.safetensors")
+    assert part_file(Path("/r/x.safetensors"), "low_noise", parts) == Path("/r/x.safetensors")  # one file for both
+
+
+def test_a_one_transformer_wan_refuses_expert_keys(tiny_cache):
+    from toolkit.errors import UserError
+
+    with pytest.raises(UserError, match="model.experts: tiny has one transformer"):
+        load("tiny", experts=["low_noise"])
+    with pytest.raises(UserError, match="model.expert_switch_every: tiny has one transformer"):
+        load("tiny", expert_switch_every=3)
 
 
 def test_an_assistant_lora_per_expert_merges_into_its_expert(tmp_path, tiny_cache):

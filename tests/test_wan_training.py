@@ -115,7 +115,19 @@ def test_clips_and_an_image_with_a_quantized_base_both_caches_and_its_lora_in_th
     pipes = pipelines_with_lora(WanPipeline, adapter.source, run_dir, (None, "w.safetensors", "w.diffusers.safetensors"))
     base, primary, diffusers_form = (render(pipe) for pipe in pipes.values())
     assert abs(primary - base).max() > 1e-3 and abs(primary - diffusers_form).max() < 1e-5
+    # `run.py --convert-lora` between the two forms (the original Wan names resolved against the model's module
+    # names) gives files with the run's keys that render what the run's own files render
+    import run
 
+    for source, to, expected in (("w.safetensors", "diffusers", "w.diffusers.safetensors"),
+                                 ("w.diffusers.safetensors", "comfy", "w.safetensors")):
+        target = tmp_path / "converted" / f"{to}.safetensors"
+        target.parent.mkdir(exist_ok=True)
+        assert run.main(["--convert-lora", str(run_dir / source), str(target), "--to", to, "--arch", "wan",
+                         "--model", adapter.source]) == 0
+        assert load_file(str(target)).keys() == load_file(str(run_dir / expected)).keys(), to
+        converted = pipelines_with_lora(WanPipeline, adapter.source, target.parent, (target.name,))
+        assert abs(render(converted[target.name]) - primary).max() < 1e-5, to
 
 @pytest.mark.slow
 def test_two_experts_train_on_their_own_noise_ranges_and_write_a_file_each(tmp_path, registry, tiny_cache,
@@ -159,9 +171,10 @@ def test_two_experts_train_on_their_own_noise_ranges_and_write_a_file_each(tmp_p
     both = render(pipe, 8)
     assert abs(high_only - base).max() > 1e-4 and abs(both - high_only).max() > 1e-4
 
-    # a later run continues from the pair: `pretrained_lora_path` naming either file loads each expert's own
+    # a later run continues from the pair: `pretrained_lora_path` naming either file (in either form) loads each
+    # expert's own
     again = wan_process(tmp_path, "tiny-wan2.2-a14b",
-                        network={"pretrained_lora_path": str(run_dir / "a14b_low_noise.safetensors")},
+                        network={"pretrained_lora_path": str(run_dir / "a14b_low_noise.diffusers.safetensors")},
                         train={"steps": 1, "batch_size": 4, "lr": 1e-9})
     continued, _ = run_job(tmp_path, registry, "again", again)
     for component in continued.components:
@@ -197,7 +210,10 @@ def test_one_expert_alone(tmp_path, registry, tiny_cache, monkeypatch):
     assert clip_info(run_dir / "samples" / "step_000000002_0.mp4").frames == 5
     assert "samples/step_000000002_0.mp4" in (run_dir / "report.html").read_text()
     assert [p.name for p in run_dir.glob("low*.safetensors")] == ["low_low_noise.safetensors"]
-    assert not getattr(trainer.adapter.transformer, "peft_config", None)
+    adapter = trainer.adapter
+    assert not getattr(adapter.transformer, "peft_config", None)
+    # the untrained expert serves samples only: it waits on the CPU and visits the accelerator while they render
+    assert adapter.sample_only == [adapter.transformer] and adapter.sampling.only_modules() == [adapter.transformer]
 
 
 @pytest.mark.slow

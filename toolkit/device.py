@@ -82,7 +82,8 @@ def _is_on(current: torch.device, target: torch.device) -> bool:
     return current.type == target.type and (target.index is None or current.index == target.index)
 
 
-def safe_module_to_device(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+def safe_module_to_device(module: torch.nn.Module, device: torch.device | str,
+                          flush_after: bool = True) -> torch.nn.Module:
     """Move `module` to `device`; every module move in the project goes through here.
 
     Why not a bare `module.to(device)`: it is skipped when there is nothing to move (no copies, no
@@ -103,7 +104,7 @@ def safe_module_to_device(module: torch.nn.Module, device: torch.device | str) -
         return module
     leaves_accelerator = target.type == "cpu" and any(current.type != "cpu" for current in devices.values())
     _move(module, target)
-    if leaves_accelerator:
+    if leaves_accelerator and flush_after:  # `flush_after=False`: the caller flushes once after several moves
         flush()
     return module
 
@@ -114,10 +115,19 @@ def move_frozen(module: torch.nn.Module, device: torch.device | str) -> torch.nn
     through `safe_module_to_device` (quantized weights included); the frozen tensors held directly by a module with
     trainable descendants (e.g. a block's modulation table) move one by one."""
     target = torch.device(device)
+    leaves_accelerator = target.type == "cpu" and any(d.type != "cpu" for d in tensor_devices(module).values())
+    _move_frozen(module, target)
+    if leaves_accelerator:
+        flush()  # once, not per moved part: a flush is a full garbage collection
+    return module
+
+
+def _move_frozen(module: torch.nn.Module, target: torch.device) -> None:
     if not any(p.requires_grad for p in module.parameters()):
-        return safe_module_to_device(module, target)
+        safe_module_to_device(module, target, flush_after=False)
+        return
     for child in module.children():
-        move_frozen(child, target)
+        _move_frozen(child, target)
     with torch.no_grad():
         for name, param in module._parameters.items():
             if param is not None and not param.requires_grad and not _is_on(param.device, target):
@@ -126,7 +136,6 @@ def move_frozen(module: torch.nn.Module, device: torch.device | str) -> torch.nn
         for name, buffer in module._buffers.items():
             if buffer is not None and not _is_on(buffer.device, target):
                 module._buffers[name] = buffer.to(target)
-    return module
 
 
 def _move(module: torch.nn.Module, target: torch.device) -> None:

@@ -84,7 +84,7 @@ class BaseSDTrainProcess(BaseProcess):
     def start(self) -> None:
         """The run folder, the accelerator and the monitor: what exists before anything loads."""
         cfg = self.config
-        self.folder = RunFolder(Path(cfg.training_folder) / self.job.name, self.job.name)
+        self.folder = RunFolder(Path(cfg.training_folder) / self.job.name, self.job.name, cfg.model.facts.file_parts)
         network = cfg.network
         self.runtime = RunAccelerator(
             cfg.train.runtime, cfg.device, self.folder.root, cfg.train.gradient_accumulation, cfg.logging.tensorboard,
@@ -184,14 +184,15 @@ class BaseSDTrainProcess(BaseProcess):
     def load_pretrained_components(self, path: Path) -> None:
         """The denoiser's adapter from the file (it must fit); each text encoder's where the file has it, else that
         one starts fresh (said so). Denoisers with files of their own (experts) load from the file of their part
-        (`x_high_noise.safetensors` and `x_low_noise.safetensors` for any of them given); one without a file starts
-        fresh."""
+        (`x_high_noise.safetensors` / `x_low_noise.safetensors`, in any form, for either given); one whose file is
+        missing starts fresh (said so)."""
         denoisers = [c for c in self.components if not c.text_encoder]
         text = [c for c in self.components if c.text_encoder]
-        if len(denoisers) == 1:
-            load_component(denoisers[0], path, others_trained=bool(text))
-        for component in denoisers if len(denoisers) > 1 else []:
-            own = part_file(path, component.file_part, [c.file_part for c in denoisers])
+        for component in denoisers:
+            if not component.file_part:
+                load_component(component, path, others_trained=bool(text))
+                continue
+            own = part_file(path, component.file_part, list(self.adapter.facts.file_parts))
             if own.is_file():
                 load_component(component, own)
             else:

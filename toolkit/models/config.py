@@ -34,6 +34,8 @@ class FamilyFacts:
     #: samples use a negative prompt (`sample.neg`); guidance-distilled samplers without classifier-free guidance
     #: have none
     negative_prompt: bool = True
+    #: components that may be written to files of their own, <name>_<part>.safetensors (Wan 2.2 A14B's experts)
+    file_parts: tuple[str, ...] = ()
     #: a video family: training clips and samples have `frame_step` x k + 1 frames (the VAE's temporal
     #: compression; Wan: 4, so 1, 5, 9, ... 81); 0 for image-only families (clips and `num_frames` refused)
     frame_step: int = 0

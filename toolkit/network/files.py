@@ -351,10 +351,11 @@ def convert_file(source: Path, target: Path, to: str, namings: list[ComponentNam
     return count
 
 def part_file(path: Path, part: str, parts: list[str]) -> Path:
-    """The file of `part` beside `path`, a file of any of `parts` (`x_high_noise.safetensors` ->
-    `x_low_noise.safetensors`), or `path` itself when it names no part."""
-    stem = path.stem
+    """The file of `part` beside `path`, a file of any of `parts` in any form (`x_high_noise.safetensors` ->
+    `x_low_noise.safetensors`, `x_high_noise.diffusers.safetensors` -> `x_low_noise.diffusers.safetensors`), or
+    `path` itself when it names no part."""
+    stem, dot, forms = path.name.partition(".")
     for other in parts:
         if stem.endswith(f"_{other}"):
-            return path.with_name(f"{stem[: -len(other) - 1]}_{part}{path.suffix}")
+            return path.with_name(f"{stem[: -len(other) - 1]}_{part}{dot}{forms}")
     return path

@@ -25,6 +25,8 @@ class RunFolderError(UserError, RuntimeError):
 class RunFolder:
     root: Path
     name: str
+    #: the family's components with files of their own (`FamilyFacts.file_parts`: Wan 2.2 A14B's experts)
+    file_parts: tuple[str, ...] = ()
 
     @property
     def checkpoints(self) -> Path:
@@ -44,13 +46,14 @@ class RunFolder:
         return self.root / (f"{stem}.safetensors" if form == primary else f"{stem}.{form}.safetensors")
 
     def final_loras(self) -> list[Path]:
-        """The finished LoRA files there are: <name>.safetensors, its other forms, the peft folder, and those of
-        components with files of their own (<name>_<part>...)."""
-        name = self.name
-        files = [*self.root.glob(f"{name}.safetensors"), *self.root.glob(f"{name}.*.safetensors"),
-                 *self.root.glob(f"{name}_*.safetensors")]
-        folders = [p for p in self.root.glob(f"{name}*_peft") if p.is_dir()]
-        return sorted(set(files + folders))
+        """The finished LoRA files there are: <name>.safetensors, its other forms, the peft folder, and those of the
+        family's components with files of their own (<name>_<part>..., only for its known parts: another file
+        named like the run is not taken for one)."""
+        found = []
+        for stem in [self.name, *(f"{self.name}_{part}" for part in self.file_parts)]:
+            found += [*self.root.glob(f"{stem}.safetensors"), *self.root.glob(f"{stem}.*.safetensors"),
+                      *[p for p in [self.root / f"{stem}_peft"] if p.is_dir()]]
+        return sorted(found)
 
     @property
     def metrics(self) -> Path:

@@ -89,8 +89,8 @@ def original_wan_names(module_names: list[str]) -> dict[str, str]:
 
 
 #: the experts of a two-transformer Wan (2.2 A14B), in WanPipeline's order: `transformer` denoises from the boundary
-#: up, `transformer_2` below it
-EXPERTS = ("high_noise", "low_noise")
+#: up, `transformer_2` below it (each expert's LoRA file part)
+EXPERTS = FACTS.file_parts
 
 
 class WanExperts(torch.nn.Module):
@@ -186,6 +186,9 @@ class WanSampling(SamplingParts):
         embeds = [a.padded_embeds(a.encode_prompts([p])) for p in (prompt, negative)]
         return {"prompt_embeds": embeds[0], "negative_prompt_embeds": embeds[1]}
 
+    def only_modules(self) -> list[torch.nn.Module]:
+        return list(self.adapter.sample_only)
+
     @property
     def default_frames(self) -> int:
         return 81
@@ -242,6 +245,8 @@ class WanAdapter(ModelAdapter):
         self._denoiser: torch.nn.Module = self.experts if self.experts is not None else transformer
         #: low_vram with two experts: which one is on the accelerator (set by `load`)
         self.swap: OneExpertOnDevice | None = None
+        #: experts loaded only to render samples (not trained, no low_vram swapping): on the CPU between samples
+        self.sample_only: list[WanTransformer3DModel] = []
         #: latents normalised with the VAE's per-channel mean and std, as the pipeline denormalises them
         self.latent_norm = ChannelNormalizedLatents(vae.config, spatial_dims=3)
 
@@ -263,6 +268,9 @@ class WanAdapter(ModelAdapter):
         if model_cfg.experts and not two:
             raise UserError(f"model.experts: {model_cfg.name_or_path} has one transformer (Wan 2.1 or 2.2 TI2V-5B), "
                             "no experts to choose; remove model.experts")
+        if model_cfg.expert_switch_every != 1 and not two:
+            raise UserError(f"model.expert_switch_every: {model_cfg.name_or_path} has one transformer (Wan 2.1 or 2.2 "
+                            "TI2V-5B), no experts to switch between; remove it")
         trained = (model_cfg.experts or list(EXPERTS)) if two else []
         # an untrained expert serves only samples: loaded where they render
         wanted = {"transformer": True} if not two else {
@@ -277,15 +285,16 @@ class WanAdapter(ModelAdapter):
             if not load:
                 loaded[name] = None
                 continue
+            sample_only = two and dict(zip(("transformer", "transformer_2"), EXPERTS))[name] not in trained
             with memory_debug(f"{name} load" + (" and quantization" if qtype else ""), debug_memory):
                 loaded[name] = cls.load_transformer(source, name, dtype, qtype, device, **kw)
-                if swapping:
+                if swapping or sample_only:  # waits on the CPU, so loading holds one expert on the GPU at a time
                     move_frozen(loaded[name], "cpu")
         transformers = [t for t in loaded.values() if t is not None]
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(loaded, normalize_path(model_cfg.assistant_lora_path,
-                                                            "model.assistant_lora_path"))
+                                                            "model.assistant_lora_path"), trained)
             if model_cfg.quantize:
                 with memory_debug("transformer quantization", debug_memory):
                     for transformer in transformers:
@@ -306,8 +315,13 @@ class WanAdapter(ModelAdapter):
             place_frozen(transformers[0], [adapter.vae, adapter.text_encoder], "cpu", low_vram=True)
             adapter.swap = OneExpertOnDevice(transformers, device)
             return adapter
-        place_frozen(transformers[0], [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
-        for transformer in transformers[1:]:  # the second expert: frozen, beside the first
+        # an expert that is not trained serves samples only: it waits on the CPU and visits the GPU while they render
+        roles = dict(zip(("transformer", "transformer_2"), EXPERTS)) if two else {}
+        adapter.sample_only = [t for name, t in loaded.items() if t is not None and two and roles[name] not in trained]
+        training = [t for t in transformers if not any(t is other for other in adapter.sample_only)]
+        place_frozen(training[0], [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram,
+                     parked=adapter.sample_only)
+        for transformer in training[1:]:  # the second trained expert: frozen, beside the first
             place_frozen(transformer, [], device, low_vram=False)
         return adapter
 
@@ -418,8 +432,9 @@ class WanAdapter(ModelAdapter):
         with `expand_timesteps`), the prompts zero-padded to 512 tokens."""
         denoiser = module if module is not None else self._denoiser
         dtype, device = self.compute_dtype, noisy.device
-        route = {} if isinstance(denoiser, WanTransformer3DModel) else {
-            "expert": expert.name if expert is not None else self.expert_for(timesteps)}
+        # the experts' module (maybe wrapped by DDP or torch.compile) is told which expert runs; a bare transformer is not
+        routed = self.experts is not None and not isinstance(denoiser, WanTransformer3DModel)
+        route = {"expert": expert.name if expert is not None else self.expert_for(timesteps)} if routed else {}
         t = timesteps.float().to(device)
         if self.expand_timesteps:  # one timestep per token: latent frames x (H / 2) x (W / 2)
             _, _, frames, height, width = noisy.shape
@@ -487,10 +502,11 @@ class WanAdapter(ModelAdapter):
                 "prediction_type": self.noise_schedule.prediction_type}
 
 
-def merge_assistant_lora(transformers: dict[str, WanTransformer3DModel | None], path: str) -> None:
+def merge_assistant_lora(transformers: dict[str, WanTransformer3DModel | None], path: str,
+                         trained: list[str]) -> None:
     """Merge an assistant LoRA file (any form WanPipeline's loader reads) into the training transformer; with two
-    experts, each expert's own file (`x_high_noise.safetensors` and `x_low_noise.safetensors`, `path` naming either)
-    into that expert."""
+    experts, each trained expert's own file (`x_high_noise.safetensors` and `x_low_noise.safetensors`, `path` naming
+    either) into that expert (never into an expert that only renders samples)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
@@ -499,7 +515,7 @@ def merge_assistant_lora(transformers: dict[str, WanTransformer3DModel | None], 
         raise UserError(f"model.assistant_lora_path: {path}: a model with two experts takes one assistant LoRA per "
                         "expert, named <x>_high_noise.safetensors and <x>_low_noise.safetensors; name either")
     for (_, transformer), expert in zip(transformers.items(), EXPERTS):
-        if transformer is None:
+        if transformer is None or (experts and expert not in trained):
             continue
         own = part_file(file, expert, list(EXPERTS)) if experts else file
         if not own.is_file():

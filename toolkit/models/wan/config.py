@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 from toolkit.config.base import aka
 from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOptions
 
-FACTS = FamilyFacts(title="Wan", frame_step=4)
+FACTS = FamilyFacts(title="Wan", frame_step=4, file_parts=("high_noise", "low_noise"))
 
 
 class WanModelConfig(QuantizedBaseOptions, ModelConfigBase):
@@ -19,6 +19,10 @@ class WanModelConfig(QuantizedBaseOptions, ModelConfigBase):
 
     arch: Literal["wan"] = Field(..., description="wan: Wan 2.1 / 2.2 text-to-video.",
                                  json_schema_extra={"aka": ["model_type", "base_model"]})
+    name_or_path: str = Field(
+        ..., description="A diffusers folder or hub id (e.g. Wan-AI/Wan2.2-T2V-A14B-Diffusers; single-file "
+        "transformers are not read yet), or `tiny` (Wan 2.1), `tiny-wan2.2-5b`, `tiny-wan2.2-a14b` for small random "
+        "models built offline.", json_schema_extra=aka("path", "pretrained_model_name_or_path", "model_path"))
     max_sequence_length: int = Field(
         512, ge=1, le=512, description="Prompt tokens the text encoder keeps (WanPipeline's `max_sequence_length`; "
         "the transformer always sees them zero-padded to 512, as the pipeline gives them).")
