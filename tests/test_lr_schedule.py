@@ -119,23 +119,6 @@ def assert_follows_plan(tmp_path, name: str, plan: TrainingPlan, log: str) -> No
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_accumulation_linear_schedule_and_an_uneven_plan(tmp_path):
-    """One launch, two jobs. 5 images, batch 1, 2 processes, accumulation 2, 1 epoch: ceil(ceil(5/2)/2) = 2
-    updates, the linear schedule per update; 11 images: the plan's updates and epochs, uneven shards."""
-    linear = job_file(tmp_path, "lin", 5, batch_size=1, steps=None, epochs=1, gradient_accumulation=2,
-                      lr_scheduler="linear")
-    plan, uneven = uneven_job(tmp_path, 11, 2, 1)
-    result = launch(linear, 2, cwd=tmp_path, extra_jobs=[str(uneven)])
-    assert result.returncode == 0, result.stderr[-4000:]
-    metrics, state = run_results(tmp_path, "lin")
-    assert [r["lr"] for r in metrics] == pytest.approx([LR, LR / 2])
-    assert state["global_step"] == 2 and state["world_size"] == 2
-    assert [(r["rank"], r["global_step"], r["lr"]) for r in state["ranks"]] == [(0, 2, 0.0), (1, 2, 0.0)]
-    assert_follows_plan(tmp_path, "uneven11", plan, result.stderr)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
 def test_plan_matches_updates_of_uneven_shards_on_three_processes(tmp_path):
     plan, job = uneven_job(tmp_path, 7, 3, 2)
     result = launch(job, 3, cwd=tmp_path)
@@ -147,7 +130,9 @@ def test_plan_matches_updates_of_uneven_shards_on_three_processes(tmp_path):
 @pytest.mark.multiprocess
 def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_path, registry):
     """51 samples, batch 4, 2 processes, accumulation 5: 13 batches -> 7 and 6 per process -> 2 updates per epoch
-    (windows of 5 and 2 micro-batches)."""
+    (windows of 5 and 2 micro-batches). In the same launch: 5 images, batch 1, accumulation 2, 1 epoch:
+    ceil(ceil(5/2)/2) = 2 updates, the linear schedule per update; 11 images: the plan's updates and epochs, uneven
+    shards."""
     schedule = {"batch_size": 4, "gradient_accumulation": 5, "lr_scheduler": "cosine_with_restarts",
                 "lr_scheduler_params": {"num_cycles": 2}}
     # both jobs in one launch (a job's processes run in turn, each into its own training folder)
@@ -156,8 +141,17 @@ def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_pat
                             datasets=[{"folder_path": str(data), "resolution": [32]}],
                             train={"lr": LR, **schedule, **train})
             for folder, train in (("by_epochs", {"steps": None, "epochs": 10}), ("by_steps", {"steps": 20}))]
-    result = launch(write_job(tmp_path / "both.yaml", "lr", *jobs), 2, cwd=tmp_path)
+    linear = job_file(tmp_path, "lin", 5, batch_size=1, steps=None, epochs=1, gradient_accumulation=2,
+                      lr_scheduler="linear")
+    plan, uneven = uneven_job(tmp_path, 11, 2, 1)
+    result = launch(write_job(tmp_path / "both.yaml", "lr", *jobs), 2, cwd=tmp_path,
+                    extra_jobs=[str(linear), str(uneven)])
     assert result.returncode == 0, result.stderr[-4000:]
+    metrics, state = run_results(tmp_path, "lin")
+    assert [r["lr"] for r in metrics] == pytest.approx([LR, LR / 2])
+    assert state["global_step"] == 2 and state["world_size"] == 2
+    assert [(r["rank"], r["global_step"], r["lr"]) for r in state["ranks"]] == [(0, 2, 0.0), (1, 2, 0.0)]
+    assert_follows_plan(tmp_path, "uneven11", plan, result.stderr)
     assert "updates per epoch                    2" in result.stderr
     by_epochs, by_steps = (read_metrics(tmp_path / folder / "lr" / "metrics.jsonl") for folder in ("by_epochs", "by_steps"))
     lrs = [r["lr"] for r in by_epochs]
