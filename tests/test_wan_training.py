@@ -227,3 +227,22 @@ def test_ctrl_c_and_rerun_continue_exactly_with_the_video_latent_cache(tmp_path,
     process["datasets"][0].update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"),
                                   caption_dropout_rate=0.2)
     assert_same_training(*straight_and_resumed(tmp_path, process))
+
+
+@pytest.mark.slow
+def test_a_too_short_clip_is_named_before_the_model_loads(tmp_path, registry, monkeypatch):
+    """The data is read before the model: a clip shorter than num_frames stops the run in seconds, naming the clip,
+    instead of after minutes of loading."""
+    from toolkit.data.dataset import DatasetError
+    from toolkit.models.wan.adapter import WanAdapter
+
+    loads = []
+    monkeypatch.setattr(WanAdapter, "load", classmethod(lambda cls, *args, **kwargs: loads.append(args)))
+    folder = tmp_path / "short"
+    write_video(folder / "tiny_clip", moving_square(3, 0, (255, 0, 0)), 8.0, {})
+    (folder / "tiny_clip.txt").write_text("a square")
+    process = wan_process(tmp_path)
+    process["datasets"] = [{"folder_path": str(folder), "resolution": [32], "num_frames": 5}]
+    with pytest.raises(DatasetError, match=r"tiny_clip\.mp4: 3 frames"):
+        run_job(tmp_path, registry, "short", process)
+    assert loads == []

@@ -22,6 +22,7 @@ from jobs.context import JobContext
 from jobs.process.base_process import BaseProcess, StopRequested
 from toolkit.config.loader import check_paths
 from toolkit.config.schema import SDTrainerConfig
+from toolkit.data.dataset import scan_datasets
 from toolkit.data.training_data import TrainingData
 from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, torch_dtype
 from toolkit.models.base import ModelAdapter
@@ -109,11 +110,14 @@ class BaseSDTrainProcess(BaseProcess):
         # weights to the others. Training draws (noise, timesteps) use their own generators.
         set_seed(cfg.train.seed, device_specific=True)
         self.placement = ModulePlacement(acc.device, cfg.model.low_vram, cfg.logging.debug_memory)
+        # the data is read first: a bad dataset is named before minutes of model loading
+        facts = cfg.model.facts
+        scanned = scan_datasets(cfg.datasets, cfg.trigger_word, facts.frame_step, facts.title)
         self.adapter = self.load_model()
         self.param_groups = self.add_network()
         self.lora_params = [param for group in self.param_groups for param in group["params"]]
         self.mirrors = [mirror_lora(self.adapter.trainable_module(), m) for m in self.adapter.sampling.mirrors()]
-        self.data = TrainingData(cfg.datasets, cfg.trigger_word, cfg.train, self.adapter, self.placement)
+        self.data = TrainingData(cfg.datasets, cfg.trigger_word, cfg.train, self.adapter, self.placement, scanned)
         self.data.warn_overlong_captions()
         blank = None
         if cfg.train.blank_prompt_preservation:  # encoded now: the text encoder may leave with the cache

@@ -270,14 +270,26 @@ class ImageDataset(torch.utils.data.Dataset):
         return [(item.frames, *item.bucket, cached(i)) for i, item in enumerate(self.items)]
 
 
+def scan_datasets(cfgs: list[DatasetConfig], trigger_word: str | None, frame_step: int = 0,
+                  family: str = "this model family") -> list[list[ImageRecord]]:
+    """Every dataset folder's usable samples (`scan_folder`): it needs the family's facts only, so a trainer reads
+    its data before any model loads, and a bad dataset (a clip too short, a folder without samples) is named in
+    seconds."""
+    return [scan_folder(cfg, trigger_word, frame_step, family) for cfg in cfgs]
+
+
 def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: int,
-                  sizes: bool = False, frame_step: int = 0, family: str = "this model family") -> ImageDataset:
+                  sizes: bool = False, frame_step: int = 0, family: str = "this model family",
+                  scanned: list[list[ImageRecord]] | None = None) -> ImageDataset:
     """`sizes`: samples carry their `image_sizes` (families conditioned on them). `frame_step`: the family's
     (`FamilyFacts.frame_step`); above 0 (a video family) clips are samples too, see `scan_folder`. `family`: its
-    title, for the warning about clips an image family leaves out."""
+    title, for the warning about clips an image family leaves out. `scanned`: the folders as `scan_datasets` read
+    them already (else they are read now)."""
+    if scanned is None:
+        scanned = scan_datasets(cfgs, trigger_word, frame_step, family)
     items: list[TrainItem] = []
-    for number, cfg in enumerate(cfgs):
-        items += items_for_dataset(scan_folder(cfg, trigger_word, frame_step, family), cfg, divisor, number)
+    for number, (cfg, records) in enumerate(zip(cfgs, scanned, strict=True)):
+        items += items_for_dataset(records, cfg, divisor, number)
     return ImageDataset(items, sizes)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from toolkit.config.sections import DatasetConfig, TrainConfig
 from toolkit.data.buckets import BucketBatchSampler
-from toolkit.data.dataset import ImageDataset, build_dataset, collate
+from toolkit.data.dataset import ImageDataset, ImageRecord, build_dataset, collate
 from toolkit.data.latent_cache import LatentCache, cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
 from toolkit.device import ModulePlacement
@@ -24,7 +24,8 @@ class TrainingData:
     caching, the family adapter (encoders, divisor) and where the encoders live."""
 
     def __init__(self, datasets: list[DatasetConfig], trigger_word: str | None, train: TrainConfig,
-                 adapter: ModelAdapter, placement: ModulePlacement):
+                 adapter: ModelAdapter, placement: ModulePlacement, scanned: list[list[ImageRecord]] | None = None):
+        """`scanned`: the dataset folders as `scan_datasets` read them before the model loaded (else read now)."""
         self.cfgs = datasets
         self.trigger_word = trigger_word
         self.train = train
@@ -32,7 +33,8 @@ class TrainingData:
         self.placement = placement
         self.dataset: ImageDataset = build_dataset(datasets, trigger_word, adapter.divisor,
                                                    sizes=adapter.facts.size_conditioning,
-                                                   frame_step=adapter.facts.frame_step, family=adapter.facts.title)
+                                                   frame_step=adapter.facts.frame_step, family=adapter.facts.title,
+                                                   scanned=scanned)
         self.batch_sampler = BucketBatchSampler(self.dataset.bucket_keys(), train.batch_size, train.seed)
         self.conditioning: LiveCaptions | CachedCaptions | None = None
         self.dataloader = None
