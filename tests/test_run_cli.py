@@ -110,12 +110,19 @@ def _env():
 
 
 @pytest.mark.slow
-def test_cli_runs_a_job_file(tmp_path):
-    path = write_job(tmp_path / "job.yaml", "cli", trainer_process(tmp_path, train={"steps": 2}))
-    result = subprocess.run([sys.executable, str(REPO / "run.py"), str(path)], capture_output=True, text=True,
-                            env=_env(), timeout=300)
+def test_cli_runs_a_job_file_quietly(tmp_path):
+    """`python run.py job.yaml --quiet`: the job runs, the log is on stderr, and no progress bar is (not the
+    training, caching or sampling bars, nor the libraries' loading bars)."""
+    process = trainer_process(tmp_path, train={"steps": 2}, sample={"prompts": ["shp"], "sample_steps": 1,
+                                                                     "width": 64, "height": 64})
+    process["datasets"][0]["cache_latents"] = True
+    path = write_job(tmp_path / "job.yaml", "cli", process)
+    result = subprocess.run([sys.executable, str(REPO / "run.py"), str(path), "--quiet"], capture_output=True,
+                            text=True, env=_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "total updates" in result.stderr
+    assert not any(bar in result.stderr for bar in ("train:", "caching", "sampling", "it/s]", "step/s")), \
+        result.stderr[-3000:]
     assert len(read_metrics(tmp_path / "output" / "cli" / "metrics.jsonl")) == 2
 
 

@@ -171,6 +171,25 @@ def test_tensorboard_logs_the_metrics(tmp_path, registry, tiny_sd15):
 
 
 @pytest.mark.slow
+def test_tensorboard_shows_each_update_once_after_a_resume(tmp_path, registry, tiny_sd15):
+    """Continuing from an older checkpoint cuts TensorBoard's event files back to it, as metrics.jsonl: updates 3
+    and 4, logged again by the continued run, are in the files once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    process = trainer_process(tmp_path, train={"steps": 4}, save={"save_every": 2, "max_step_saves_to_keep": 3},
+                              logging={"tensorboard": True})
+    _, run_dir = run_job(tmp_path, registry, "tb", process)
+    process["train"]["resume"] = str(run_dir / "checkpoints" / "step_000000002")
+    run_job(tmp_path, registry, "tb", process)
+    steps = [event.step for path in sorted((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+             for event in EventFileLoader(str(path)).Load()
+             if any(value.tag == "loss" for value in event.summary.value)]
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_requests_from_before_a_run_started_are_dropped(tmp_path, registry, tiny_sd15, caplog):
     """A stop left in control/ (e.g. sent to a run that had already finished) must not stop a later run."""
     stale = tmp_path / "output" / "later" / "control" / "1000-1-stop.json"

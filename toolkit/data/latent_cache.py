@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from toolkit.data.dataset import ImageDataset, TrainItem, image_sizes, load_pixels
 from toolkit.files import write_atomic
 from toolkit.models.base import LatentDist, ModelAdapter
+from toolkit.run.metrics import progress_bars_wanted
 
 log = logging.getLogger("difftune")
 CACHE_FOLDER = "_difftune_cache"
@@ -84,7 +85,8 @@ class LatentCache:
         todo = [i for path, i in share if not path.is_file()] + list(in_memory.values())
         if accelerator.is_main_process:
             log.info("latent cache: %d entries; this process encodes %d", len(on_disk) + len(in_memory), len(todo))
-        for index in tqdm(todo, desc="caching latents", disable=not accelerator.is_main_process or not todo):
+        shown = accelerator.is_main_process and todo and progress_bars_wanted()
+        for index in tqdm(todo, desc="caching latents", disable=not shown):
             item = self.dataset.items[index]
             dist = adapter.encode_latent_dist(load_pixels(item).unsqueeze(0))
             entry = LatentDist(dist.mean[0].cpu(), None if dist.std is None else dist.std[0].cpu())

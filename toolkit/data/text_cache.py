@@ -20,6 +20,7 @@ from toolkit.data.captions import process_caption
 from toolkit.data.dataset import ImageDataset
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter, PromptEmbeds, join_padded
+from toolkit.run.metrics import progress_bars_wanted
 from toolkit.train.seeding import seeded_generator
 
 log = logging.getLogger("difftune")
@@ -94,7 +95,8 @@ class CachedCaptions:
         if accelerator.is_main_process:
             log.info("text-embedding cache: %d captions, %d to encode", len(captions), len(mine))
         chunks = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
-        for chunk in tqdm(chunks, desc="caching text embeddings", disable=not accelerator.is_main_process or not chunks):
+        shown = accelerator.is_main_process and chunks and progress_bars_wanted()
+        for chunk in tqdm(chunks, desc="caching text embeddings", disable=not shown):
             embeds = self.adapter.encode_prompts(chunk)
             for row, caption in enumerate(chunk):
                 self.write(caption, embeds, row)

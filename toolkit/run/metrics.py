@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from toolkit.files import write_text_atomic
+from toolkit.files import write_atomic, write_text_atomic
 
 
 def progress_bars_wanted() -> bool:
@@ -51,6 +51,42 @@ def truncate_after(path: Path, step: int) -> None:
         return
     kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
     write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
+def truncate_event_files_after(folder: Path, step: int) -> int:
+    """TensorBoard's event files under `folder` cut back like metrics.jsonl: every event of an update after `step`
+    dropped (each file rewritten atomically), so a resumed run logs those updates once. Returns the events dropped;
+    no folder (or no tensorboard installed), nothing to do."""
+    if not folder.is_dir():
+        return 0
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+    except ImportError:
+        return 0
+    dropped = 0
+    for path in sorted(folder.rglob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [r for r in records if not _scalar_after(event_pb2.Event.FromString(r), step)]
+        if len(kept) == len(records):
+            continue
+        dropped += len(records) - len(kept)
+
+        def write(tmp: Path, kept=kept) -> None:
+            with tmp.open("wb") as handle:
+                writer = RecordWriter(handle)
+                for record in kept:
+                    writer.write(record)
+                writer.flush()
+
+        write_atomic(path, write)
+    return dropped
+
+
+def _scalar_after(event, step: int) -> bool:
+    """An event an update after `step` logged (file headers and other step-0 events stay)."""
+    return event.HasField("summary") and event.step > step
 
 
 class Throughput:

@@ -20,7 +20,14 @@ from toolkit.device import memory_fields
 from toolkit.files import write_json_atomic
 from toolkit.run.control import RunMonitor
 from toolkit.run.folder import RunFolder
-from toolkit.run.metrics import MetricsWriter, Throughput, TimestepStats, progress_bars_wanted, truncate_after
+from toolkit.run.metrics import (
+    MetricsWriter,
+    Throughput,
+    TimestepStats,
+    progress_bars_wanted,
+    truncate_after,
+    truncate_event_files_after,
+)
 from toolkit.run.report import PLAN_FILE, write_report
 from toolkit.run.sampling import Sampler
 from toolkit.train.plan import TrainingPlan
@@ -94,6 +101,8 @@ class Monitor:
             if dropped:
                 log.warning("ignoring %d control request(s) left from before this run started", dropped)
             truncate_after(self.folder.metrics, step if resumed else 0)
+            if self.cfg.tensorboard:  # the same for TensorBoard's event files: no update is shown twice
+                truncate_event_files_after(self.folder.root / "tensorboard", step if resumed else 0)
         self.metrics = MetricsWriter(self.folder.metrics, enabled=self.is_main)
         if self.cfg.tensorboard and self.is_main:
             self.accelerator.init_trackers(self.name)
