@@ -21,7 +21,6 @@ import argparse
 import gc
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.memory_phases import MIB, collect_phases, phase_table  # noqa: E402
+from benchmarks.memory_phases import MIB, collect_phases, cuda_missing, phase_table, run_job_file  # noqa: E402
 
 #: a quantized prediction this far from bf16 (relative to its norm) means a kernel computes something else
 MAX_RELATIVE_ERROR = {"qfloat8": 0.05, "qint8": 0.05, "qint4": 0.15}
@@ -116,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a smoke run of the script itself (no accelerator figures)")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this check needs one (--device cpu for a smoke run)")
+    if cuda_missing(args.device):
         return 2
     device = torch.device(args.device)
     model = args.model or random_model(args.dim, args.layers)
@@ -135,19 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda" and ratio > MAX_LOAD_PEAK:
             failures.append(f"{qtype}: loading peaked at {ratio:.2f}x the quantized size")
 
-    from jobs.job import get_job
-    from jobs.registry import build_registry
-    from toolkit.config.loader import load_config
-
     collect = collect_phases()
-    registry = build_registry(REPO / "extensions")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as tmp:
-        config, path = load_config(str(job(Path(tmp), model, args)), registry)
-        started = time.perf_counter()
-        get_job(config, path, registry).run()
-        wall = time.perf_counter() - started
+        wall = run_job_file(job(Path(tmp), model, args), REPO)
     print(f"\n{name}: {args.steps} updates in {wall:.1f} s (qtype {args.qtype}, {args.resolution} px)")
     print(phase_table(collect.records))
     if args.device == "cuda":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.memory_phases import MIB, collect_phases, phase_table  # noqa: E402
+from benchmarks.memory_phases import MIB, collect_phases, cuda_missing, phase_table, run_job_file  # noqa: E402
 
 
 def random_model(dim: int, layers: int) -> str:
@@ -80,6 +79,17 @@ def frozen_bytes_on(module: torch.nn.Module, device_type: str) -> int:
                if not p.requires_grad and p.device.type == device_type)
 
 
+def placement_failures(seen: list[tuple[str, dict[str, int]]]) -> list[str]:
+    """Forwards where the running expert had no weights on the GPU, or the other expert had some."""
+    failures = []
+    for expert, on_gpu in seen:
+        others = {n: b for n, b in on_gpu.items() if n != expert and b}
+        if not on_gpu[expert] or others:
+            failures.append(f"{expert} ran with {on_gpu[expert] / MIB:.0f} MiB of its weights on the GPU and "
+                            f"{ {n: round(b / MIB) for n, b in others.items()} } MiB of the other's")
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Wan 2.2 A14B folder (default: random experts)")
@@ -92,12 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a smoke run of the script itself (no accelerator figures)")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this check needs one (--device cpu for a smoke run)")
+    if cuda_missing(args.device):
         return 2
-    from jobs.job import get_job
-    from jobs.registry import build_registry
-    from toolkit.config.loader import load_config
     from toolkit.models.wan.adapter import WanExperts
 
     model = args.model or random_model(args.dim, args.layers)
@@ -113,26 +119,18 @@ def main(argv: list[str] | None = None) -> int:
 
     WanExperts.forward = watched
     collect = collect_phases()
-    registry = build_registry(REPO / "extensions")
     with tempfile.TemporaryDirectory() as tmp:
         write_clips(Path(tmp) / "data", args.resolution, args.frames)
-        config, path = load_config(str(job(Path(tmp), model, args)), registry)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        started = time.perf_counter()
-        get_job(config, path, registry).run()
-        wall = time.perf_counter() - started
+        wall = run_job_file(job(Path(tmp), model, args), REPO)
         samples = sorted((Path(tmp) / "output" / "gpu_check_wan" / "samples").glob("*.mp4"))
     WanExperts.forward = forward
     print(f"{name}: {args.steps} updates in {wall:.1f} s ({args.qtype}, {args.resolution} px x {args.frames} frames)")
     print(phase_table(collect.records))
     if args.device == "cuda":
         print(f"peak allocated over the job: {torch.cuda.max_memory_allocated() / MIB:.0f} MiB")
-        for expert, on_gpu in seen:
-            others = {n: b for n, b in on_gpu.items() if n != expert and b}
-            if not on_gpu[expert] or others:
-                failures.append(f"{expert} ran with {on_gpu[expert] / MIB:.0f} MiB of its weights on the GPU and "
-                                f"{ {n: round(b / MIB) for n, b in others.items()} } MiB of the other's")
+        failures += placement_failures(seen)
     print("experts per forward:", "".join("H" if e == "high_noise" else "L" for e, _ in seen))
     if {e for e, _ in seen} != {"high_noise", "low_noise"}:
         failures.append(f"both experts should have trained, saw {sorted({e for e, _ in seen})}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.memory_phases import MIB, collect_phases, phase_table  # noqa: E402
+from benchmarks.memory_phases import MIB, collect_phases, cuda_missing, phase_table, run_job_file  # noqa: E402
 
 
 def random_models(dim: int, layers: int) -> tuple[str, str]:
@@ -90,25 +89,16 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a smoke run of the script itself (no accelerator figures)")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this check needs one (--device cpu for a smoke run)")
+    if cuda_missing(args.device):
         return 2
-
-    from jobs.job import get_job
-    from jobs.registry import build_registry
-    from toolkit.config.loader import load_config
 
     model, sampling = args.model, args.sampling
     if model is None or sampling is None:
         built = random_models(args.dim, args.layers)
         model, sampling = model or built[0], sampling or built[1]
     collect = collect_phases()
-    registry = build_registry(REPO / "extensions")
     with tempfile.TemporaryDirectory() as tmp:
-        config, path = load_config(str(job(Path(tmp), model, sampling, args)), registry)
-        started = time.perf_counter()
-        get_job(config, path, registry).run()
-        wall = time.perf_counter() - started
+        wall = run_job_file(job(Path(tmp), model, sampling, args), REPO)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n{name}: {args.steps} updates in {wall:.1f} s "
           f"(model {model}, sampling {sampling}, qtype {args.qtype})")

@@ -1,9 +1,11 @@
-"""The trainer's per-phase memory records (`logging.debug_memory`), collected from the log and printed as a table:
-shared by the family device checks (benchmarks/gpu_check_*.py)."""
+"""What the family device checks (benchmarks/gpu_check_*.py) share: the trainer's per-phase memory records
+(`logging.debug_memory`), collected from the log and printed as a table, and a job file run through the real path."""
 
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
 MIB = 2**20
 
@@ -38,3 +40,26 @@ def phase_table(records: list[dict]) -> str:
                      f" {r.get('allocated_after', 0) / MIB:8.0f} MiB {r.get('peak_after', 0) / MIB:8.0f} MiB"
                      f" {r.get('rss_after', 0) / MIB:6.0f} MiB")
     return "\n".join(lines)
+
+
+def cuda_missing(device: str) -> bool:
+    """True (and said) when the check is asked for CUDA on a machine without it."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this check needs one (--device cpu for a smoke run)")
+        return True
+    return False
+
+
+def run_job_file(path: Path, repo: Path) -> float:
+    """Run a job file as run.py does (the same loader, the same job); its wall seconds."""
+    from jobs.job import get_job
+    from jobs.registry import build_registry
+    from toolkit.config.loader import load_config
+
+    registry = build_registry(repo / "extensions")
+    config, config_path = load_config(str(path), registry)
+    started = time.perf_counter()
+    get_job(config, config_path, registry).run()
+    return time.perf_counter() - started

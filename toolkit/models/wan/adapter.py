@@ -93,6 +93,22 @@ def original_wan_names(module_names: list[str]) -> dict[str, str]:
 EXPERTS = FACTS.file_parts
 
 
+#: a two-transformer Wan's subfolders and the expert each one is
+EXPERT_OF = dict(zip(("transformer", "transformer_2"), EXPERTS))
+
+
+def trained_experts(model_cfg: WanModelConfig, two: bool) -> list[str]:
+    """The experts that get a LoRA: `model.experts`, default both of a two-transformer model (none of a
+    one-transformer one, which refuses the expert keys by name)."""
+    if not two:
+        for key, given in (("experts", model_cfg.experts), ("expert_switch_every", model_cfg.expert_switch_every != 1)):
+            if given:
+                raise UserError(f"model.{key}: {model_cfg.name_or_path} has one transformer (Wan 2.1 or 2.2 TI2V-5B), "
+                                "no experts to choose or switch between; remove it")
+        return []
+    return list(model_cfg.experts or EXPERTS)
+
+
 class WanExperts(torch.nn.Module):
     """Wan 2.2 A14B's experts as one module, what DDP wraps and `predict` runs: a forward runs the expert it is told
     (`expert=`), as WanPipeline switches transformers at its boundary. Each trained expert carries its own LoRA."""
@@ -265,42 +281,33 @@ class WanAdapter(ModelAdapter):
         kw = {"variant": model_cfg.variant, "revision": model_cfg.revision}
         pipeline_config = WanPipeline.load_config(source, revision=model_cfg.revision)
         two = bool((pipeline_config.get("transformer_2") or [None])[0])
-        if model_cfg.experts and not two:
-            raise UserError(f"model.experts: {model_cfg.name_or_path} has one transformer (Wan 2.1 or 2.2 TI2V-5B), "
-                            "no experts to choose; remove model.experts")
-        if model_cfg.expert_switch_every != 1 and not two:
-            raise UserError(f"model.expert_switch_every: {model_cfg.name_or_path} has one transformer (Wan 2.1 or 2.2 "
-                            "TI2V-5B), no experts to switch between; remove it")
-        trained = (model_cfg.experts or list(EXPERTS)) if two else []
-        # an untrained expert serves only samples: loaded where they render
-        wanted = {"transformer": True} if not two else {
-            name: expert in trained or sampling_models for name, expert in zip(("transformer", "transformer_2"), EXPERTS)}
-        # an assistant LoRA is merged in full precision, before any quantization
-        qtype = model_cfg.qtype if model_cfg.quantize and not model_cfg.assistant_lora_path else None
+        trained = trained_experts(model_cfg, two)
+        # an expert nobody trains serves samples only: loaded where they render, and waiting on the CPU
+        sample_only = {name for name, expert in EXPERT_OF.items() if two and expert not in trained}
+        wanted = [name for name in (EXPERT_OF if two else ["transformer"]) if name not in sample_only or sampling_models]
         # low_vram with two experts: each waits on the CPU once loaded (quantized on the accelerator), so loading holds
         # one expert there at a time; the one that runs is brought when it runs (OneExpertOnDevice)
-        swapping = two and model_cfg.low_vram and sum(wanted.values()) > 1
-        loaded: dict[str, WanTransformer3DModel | None] = {}
-        for name, load in wanted.items():
-            if not load:
-                loaded[name] = None
-                continue
-            sample_only = two and dict(zip(("transformer", "transformer_2"), EXPERTS))[name] not in trained
+        swapping = model_cfg.low_vram and len(wanted) > 1
+        parked = {name for name in wanted if swapping or name in sample_only}
+        # an assistant LoRA is merged in full precision, before any quantization
+        qtype = model_cfg.qtype if model_cfg.quantize and not model_cfg.assistant_lora_path else None
+        loaded: dict[str, WanTransformer3DModel | None] = dict.fromkeys(EXPERT_OF if two else ["transformer"])
+        for name in wanted:
             with memory_debug(f"{name} load" + (" and quantization" if qtype else ""), debug_memory):
                 loaded[name] = cls.load_transformer(source, name, dtype, qtype, device, **kw)
-                if swapping or sample_only:  # waits on the CPU, so loading holds one expert on the GPU at a time
+                if name in parked:
                     move_frozen(loaded[name], "cpu")
-        transformers = [t for t in loaded.values() if t is not None]
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(loaded, normalize_path(model_cfg.assistant_lora_path,
                                                             "model.assistant_lora_path"), trained)
             if model_cfg.quantize:
                 with memory_debug("transformer quantization", debug_memory):
-                    for transformer in transformers:
+                    for name in wanted:
+                        transformer = loaded[name]
                         quantize_blockwise(transformer, model_cfg.qtype, list(transformer.blocks),
                                            list(cls.QUANTIZATION_EXCLUDE), device)
-                        if swapping:
+                        if name in parked:
                             move_frozen(transformer, "cpu")
         with memory_debug("text encoder, VAE load", debug_memory):
             parts = cls.load_components(source, dtype, model_cfg.qtype_te if model_cfg.quantize_te else None,
@@ -311,19 +318,25 @@ class WanAdapter(ModelAdapter):
                       expand_timesteps=bool(pipeline_config.get("expand_timesteps")), trained_experts=trained,
                       expert_switch_every=model_cfg.expert_switch_every)
         adapter.compute_dtype = dtype
+        adapter.place([loaded[name] for name in wanted], [loaded[name] for name in wanted if name in sample_only],
+                      device, model_cfg.low_vram, swapping)
+        return adapter
+
+    def place(self, transformers: list[WanTransformer3DModel], sample_only: list[WanTransformer3DModel],
+              device: torch.device, low_vram: bool, swapping: bool) -> None:
+        """Everything frozen and where training wants it: with `swapping` every expert and encoder waits on the CPU
+        (OneExpertOnDevice brings the one that runs); else the trained transformers on `device`, the encoders there
+        unless `low_vram`, and sample-only experts on the CPU (they visit the accelerator while samples render)."""
+        encoders = [self.vae, self.text_encoder]
         if swapping:
-            place_frozen(transformers[0], [adapter.vae, adapter.text_encoder], "cpu", low_vram=True)
-            adapter.swap = OneExpertOnDevice(transformers, device)
-            return adapter
-        # an expert that is not trained serves samples only: it waits on the CPU and visits the GPU while they render
-        roles = dict(zip(("transformer", "transformer_2"), EXPERTS)) if two else {}
-        adapter.sample_only = [t for name, t in loaded.items() if t is not None and two and roles[name] not in trained]
-        training = [t for t in transformers if not any(t is other for other in adapter.sample_only)]
-        place_frozen(training[0], [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram,
-                     parked=adapter.sample_only)
+            place_frozen(transformers[0], encoders, "cpu", low_vram=True, parked=transformers[1:])
+            self.swap = OneExpertOnDevice(transformers, device)
+            return
+        self.sample_only = sample_only
+        training = [t for t in transformers if not any(t is other for other in sample_only)]
+        place_frozen(training[0], encoders, device, low_vram, parked=sample_only)
         for transformer in training[1:]:  # the second trained expert: frozen, beside the first
             place_frozen(transformer, [], device, low_vram=False)
-        return adapter
 
     @staticmethod
     def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
@@ -514,7 +527,8 @@ def merge_assistant_lora(transformers: dict[str, WanTransformer3DModel | None], 
     if experts and part_file(file, EXPERTS[0], list(EXPERTS)) == file == part_file(file, EXPERTS[1], list(EXPERTS)):
         raise UserError(f"model.assistant_lora_path: {path}: a model with two experts takes one assistant LoRA per "
                         "expert, named <x>_high_noise.safetensors and <x>_low_noise.safetensors; name either")
-    for (_, transformer), expert in zip(transformers.items(), EXPERTS):
+    for name, transformer in transformers.items():
+        expert = EXPERT_OF.get(name, "")
         if transformer is None or (experts and expert not in trained):
             continue
         own = part_file(file, expert, list(EXPERTS)) if experts else file
