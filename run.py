@@ -6,6 +6,8 @@
     python run.py --status RUN_FOLDER                       # running / stopped / finished / failed / crashed
     python run.py --report RUN_FOLDER                       # rebuild RUN_FOLDER/report.html
     python run.py --convert-lora IN OUT --to comfy|diffusers|peft [--arch ARCH] [--model NAME_OR_PATH]
+    python run.py --ui [TRAINING_FOLDER] [--host 127.0.0.1] [--port 8675] [--token T] [--allow-outside]
+                  [--gpus 0,1 --gpus 2,3]                  # the web dashboard and its job queue (docs/ui.md)
 """
 
 from __future__ import annotations
@@ -39,24 +41,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arch", help="--convert-lora: the model family, when the file's header does not say")
     parser.add_argument("--model", help="--convert-lora from kohya keys: the model whose module names resolve them "
                         "(default: the base model in the file's header)")
+    parser.add_argument("--ui", nargs="?", const="output", metavar="TRAINING_FOLDER",
+                        help="serve the web dashboard for the runs under TRAINING_FOLDER (default: output)")
+    parser.add_argument("--host", default="127.0.0.1", help="--ui: the address to listen on (any address but a "
+                        "loopback one needs a token)")
+    parser.add_argument("--port", type=int, default=8675, help="--ui: the port (default 8675)")
+    parser.add_argument("--token", help="--ui: the token every request must carry (generated and printed when the "
+                        "host is not a loopback address)")
+    parser.add_argument("--allow-outside", action="store_true", help="--ui: queued jobs may write outside "
+                        "TRAINING_FOLDER")
+    parser.add_argument("--gpus", action="append", metavar="IDS", help="--ui: a CUDA_VISIBLE_DEVICES set for queued "
+                        "jobs; give it several times to run that many jobs at once (default: one at a time)")
     args = parser.parse_args(argv)
     if args.convert_lora is not None and args.to is None:
         parser.error("--convert-lora needs --to comfy, --to diffusers or --to peft")
-    tools = [name for name in ("control", "status", "report", "convert_lora") if getattr(args, name) is not None]
+    tools = [name for name in ("control", "status", "report", "convert_lora", "ui") if getattr(args, name) is not None]
     if len(tools) > 1 or (tools and args.configs):
-        parser.error("give job files, or one of --control / --status / --report / --convert-lora")
+        parser.error("give job files, or one of --control / --status / --report / --convert-lora / --ui")
     if not tools and not args.configs:
-        parser.error("give one or more job files (or --control / --status / --report)")
+        parser.error("give one or more job files (or --control / --status / --report / --convert-lora / --ui)")
     return args
 
 
 def run_tool(args: argparse.Namespace) -> int:
-    """--control / --status / --report: small file operations on a run folder, no model loads."""
+    """--control / --status / --report / --convert-lora / --ui: the tools beside training."""
     from toolkit.run import control
     from toolkit.run.report import write_report
 
     if args.convert_lora is not None:
         return convert_lora(args)
+    if args.ui is not None:
+        return serve_ui(args)
     if args.control is not None:
         folder, action = Path(args.control[0]), args.control[1]
         try:
@@ -76,6 +91,15 @@ def run_tool(args: argparse.Namespace) -> int:
         return 2
     print(write_report(folder))
     return 0
+
+
+def serve_ui(args: argparse.Namespace) -> int:
+    """--ui: the dashboard, with a job queue whose jobs run as `python run.py JOB` processes."""
+    from jobs.registry import build_registry
+    from toolkit.ui.app import serve
+
+    return serve(Path(args.ui), build_registry(ROOT / "extensions"), ROOT / "config", ROOT / "run.py", args.host,
+                 args.port, args.token, args.allow_outside, args.gpus)
 
 
 def setup_logging() -> None:
@@ -231,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: library bars (diffusers, accelerate) go quiet too
-    if args.control or args.status or args.report or args.convert_lora:
+    if args.control or args.status or args.report or args.convert_lora or args.ui:
         return run_tool(args)
     return run_jobs(args)
 

@@ -46,6 +46,6 @@ def test_report_plays_sample_videos_with_their_prompts(tmp_path):
     grid = sample_grid(tmp_path, last_step=None)
     assert "step 2" in grid and "step 4" in grid and "a rolling ball" in grid
     if h264_available():
-        assert '<video src="samples/step_000000002_0.mp4" autoplay loop muted' in grid
-    assert '<img src="samples/step_000000004_0.webp"' in grid
+        assert '<video src="data:video/mp4;base64,' in grid and 'title="samples/step_000000002_0.mp4" autoplay loop muted' in grid
+    assert '<img src="data:image/webp;base64,' in grid and 'title="samples/step_000000004_0.webp"' in grid
     assert "<video" in build_report(tmp_path) or not h264_available()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -78,8 +79,10 @@ def test_report_plots_every_metric_and_shows_the_samples(sampled):
     assert metrics and metrics <= set(series)
     assert all(series[name] == len(records) for name in metrics)
     assert series["loss (smoothed)"] == len(records)
-    for path in (run_dir / "samples").iterdir():
-        assert f'src="samples/{path.name}"' in page
+    for path in (run_dir / "samples").iterdir():  # embedded: the page alone shows them
+        embedded = re.search(rf'src="data:image/png;base64,([A-Za-z0-9+/=]+)" title="samples/{path.name}"', page)
+        assert embedded and base64.b64decode(embedded.group(1)) == path.read_bytes()
+    assert all(source.startswith("data:") for source in re.findall(r'\b(?:src|href)="([^"]*)"', page))
     assert "total updates" in page and "name_or_path: tiny" in page  # the plan and the resolved config
     assert "http://" not in page.replace("http://www.w3.org", "") and "https://" not in page  # no network
 
@@ -110,7 +113,28 @@ def test_status_of_a_running_and_of_a_crashed_run(tmp_path, capsys):
     gone.wait()
     control.Status(state="running", pid=gone.pid, step=3, total=10).write(tmp_path)
     assert run.main(["--status", str(tmp_path)]) == 1
-    assert "crashed" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "crashed, nothing saved yet" in said and "starts over" in said and "resume" not in said
+    (tmp_path / "checkpoints" / "step_000000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000000002" / "train_state.json").write_text("{}")
+    assert run.main(["--status", str(tmp_path)]) == 1
+    said = capsys.readouterr().out
+    assert "crashed, step 3/10" in said and "resumes from step_000000002" in said
+
+
+def test_status_file_follows_the_step_at_most_a_second_behind(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(control.time, "time", lambda: clock[0])
+    monitor = control.RunMonitor(tmp_path, enabled=True, total=10)
+    monitor.started(0)
+    seen = []
+    for step in range(1, 8):
+        clock[0] += 0.4  # 0.4 s per update: the file is rewritten at the update a second after the last write
+        monitor.heartbeat(step)
+        written = control.read_status(tmp_path)
+        assert step - written.step <= 2 and clock[0] - written.updated_at < 1.0 and written.state == "running"
+        seen.append(written.step)
+    assert seen == [0, 0, 3, 3, 3, 6, 6]
 
 
 def controlled_run(tmp_path, processes: int, plan: str, steps: int = 8, extra_env: dict | None = None):

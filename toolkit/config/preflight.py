@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from toolkit.data.media import clip_files, sample_extensions, sample_files
+from toolkit.data.media import cache_root, clip_files, sample_extensions, sample_files
 from toolkit.errors import PathNotFound
 from toolkit.paths import normalize_path
 
@@ -51,3 +51,20 @@ def path_problems(process: BaseModel) -> list[str]:
     if lora and not Path(lora).expanduser().exists():  # a file, or a peft adapter folder
         problems.append(f"network.pretrained_lora_path: file not found: {lora}")
     return problems
+
+
+def written_folders(process: BaseModel) -> list[tuple[str, Path]]:
+    """Where a process writes, each with its key: its training folder, and the disk caches of its datasets (latents
+    with `cache_latents_to_disk`, text embeddings with `train.cache_text_embeddings`); relative to the working
+    folder, as the trainer reads them. (The tiny test models' own cache, DIFFTUNE_CACHE, is the tool's, not the
+    job's.)"""
+    found = []
+    folder = getattr(process, "training_folder", None)
+    if isinstance(folder, str):
+        found.append(("training_folder", Path(folder).expanduser()))
+    text_cache = bool(getattr(getattr(process, "train", None), "cache_text_embeddings", False))
+    for index, dataset in enumerate(getattr(process, "datasets", None) or []):
+        if dataset.cache_latents_to_disk or text_cache:
+            key = f"datasets[{index}].cache_dir"
+            found.append((key, cache_root(dataset.folder_path, dataset.cache_dir)))
+    return found

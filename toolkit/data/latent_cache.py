@@ -27,13 +27,6 @@ from toolkit.models.base import LatentDist, ModelAdapter
 from toolkit.run.metrics import progress_bars_wanted
 
 log = logging.getLogger("difftune")
-CACHE_FOLDER = "_difftune_cache"
-
-
-def cache_root(folder_path: str, cache_dir: str | None) -> Path:
-    return Path(cache_dir) if cache_dir else Path(folder_path) / CACHE_FOLDER
-
-
 def file_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

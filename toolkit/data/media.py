@@ -9,6 +9,13 @@ from pathlib import Path
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 #: video clips (containers PyAV decodes, and GIF), samples of video families only; toolkit/data/clips.py reads them
 CLIP_EXTENSIONS = (".mp4", ".webm", ".mov", ".gif")
+#: a dataset's cache folder (latents, text embeddings) when it names none: inside its image folder
+CACHE_FOLDER = "_difftune_cache"
+
+
+def cache_root(folder_path: str, cache_dir: str | None) -> Path:
+    """Where a dataset's disk caches go (`datasets[].cache_dir`, else <folder_path>/_difftune_cache)."""
+    return Path(cache_dir) if cache_dir else Path(folder_path) / CACHE_FOLDER
 
 
 def sample_extensions(video: bool) -> tuple[str, ...]:

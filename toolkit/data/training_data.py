@@ -10,7 +10,8 @@ import torch
 from toolkit.config.sections import DatasetConfig, TrainConfig
 from toolkit.data.buckets import BucketBatchSampler
 from toolkit.data.dataset import ImageDataset, ImageRecord, build_dataset, collate
-from toolkit.data.latent_cache import LatentCache, cache_root
+from toolkit.data.latent_cache import LatentCache
+from toolkit.data.media import cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
 from toolkit.device import ModulePlacement
 from toolkit.models.base import ModelAdapter, PromptEmbeds

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import random
-import re
 import shutil
 import time
 import warnings
@@ -26,6 +25,13 @@ import numpy as np
 import torch
 
 from toolkit.errors import UserError
+from toolkit.run.checkpoint_folders import (
+    COMPLETE_MARKER,
+    STEP_DIR,
+    TMP_PREFIX,
+    scan_checkpoints,
+    step_dir_name,
+)
 from toolkit.train.plan import Position, resumed_position
 
 if TYPE_CHECKING:
@@ -33,9 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("difftune")
 
-STEP_DIR = re.compile(r"^step_(\d{9})$")
-TMP_PREFIX = ".tmp_"
-COMPLETE_MARKER = "train_state.json"
 LORA_FILE = "lora.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -75,10 +78,6 @@ class TrainState:
             raise CheckpointError(f"{path}: unreadable train state: {err}") from err
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
 def fingerprint(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -91,20 +90,6 @@ def library_versions() -> dict[str, str]:
 
     return {"torch": torch.__version__, "diffusers": diffusers.__version__, "peft": peft.__version__,
             "transformers": transformers.__version__, "accelerate": accelerate.__version__}
-
-
-def scan_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(complete step folders oldest first, incomplete ones: no marker, or a temporary folder)."""
-    if not checkpoints_dir.is_dir():
-        return [], []
-    complete, incomplete = [], []
-    for path in sorted(checkpoints_dir.iterdir()):
-        match = STEP_DIR.match(path.name)
-        if path.is_dir() and match and (path / COMPLETE_MARKER).is_file():
-            complete.append((int(match.group(1)), path))
-        elif path.is_dir() and (match or path.name.startswith(TMP_PREFIX)):
-            incomplete.append(path)
-    return [path for _, path in sorted(complete)], incomplete
 
 
 def prune(checkpoints_dir: Path, keep: int) -> list[Path]:

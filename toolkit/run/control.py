@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from toolkit.files import write_json_atomic
+from toolkit.run.checkpoint_folders import scan_checkpoints
 
 CONTROL_DIR = "control"
 STATUS_FILE = "status.json"
@@ -93,29 +94,60 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def describe_status(run_dir: Path) -> tuple[str, str]:
-    """(state, one-line description); a `running` run whose process is gone is `crashed`."""
+@dataclass(frozen=True)
+class RunState:
+    """How a run folder's run stands, as `--status` and the dashboard tell it."""
+
+    state: str  # running / stopped / finished / failed / crashed / unknown
+    status: Status | None
+    #: the newest complete checkpoint (what running the same command again continues from), if any
+    checkpoint: Path | None
+
+    @property
+    def note(self) -> str:
+        """What the state means for the user: for a crashed run, whether a rerun resumes or starts over."""
+        if self.state != "crashed":
+            return ""
+        if self.checkpoint is None:
+            return "nothing saved yet: its process is gone before its first checkpoint; the same command starts over"
+        return f"its process is gone without saying why; the same command resumes from {self.checkpoint.name}"
+
+
+def run_state(run_dir: Path) -> RunState:
+    """The folder's state from its files alone: a `running` run whose process is gone is `crashed`."""
     status = read_status(run_dir)
     if status is None:
-        return "unknown", f"{run_dir}: no {STATUS_FILE} (not a run folder, or the run never started)"
+        return RunState("unknown", None, None)
     state = status.state
     if state == "running" and not process_alive(status.pid):
         state = "crashed"
+    complete, _ = scan_checkpoints(run_dir / "checkpoints")
+    return RunState(state, status, complete[-1] if complete else None)
+
+
+def describe_status(run_dir: Path) -> tuple[str, str]:
+    """(state, one-line description)."""
+    found = run_state(run_dir)
+    status = found.status
+    if status is None:
+        return "unknown", f"{run_dir}: no {STATUS_FILE} (not a run folder, or the run never started)"
     age = time.time() - status.updated_at
+    state = "crashed, nothing saved yet" if found.state == "crashed" and found.checkpoint is None else found.state
     line = f"{run_dir}: {state}, step {status.step}/{status.total}, pid {status.pid}, updated {age:.0f} s ago"
-    if state == "crashed":
-        line += " (its process is gone without saying why; run the same command again to resume)"
+    if found.note:
+        line += f" ({found.note})"
     if status.last_error:
         line += f"\n  last error: {status.last_error}"
-    return state, line
+    return found.state, line
 
 
 class RunMonitor:
-    """The main process's side of steering and status for one run: reads requests, keeps status.json fresh
-    (at most every `heartbeat_s` seconds while running) and records how the run ended. Other processes get a
+    """The main process's side of steering and status for one run: reads requests, keeps status.json at the real
+    step (rewritten at an update once `heartbeat_s` has passed since the last write: at most that far behind, and
+    not a file write per update) and records how the run ended. Other processes get a
     disabled monitor and learn decisions from the trainer's broadcast."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total: int, heartbeat_s: float = 10.0):
+    def __init__(self, run_dir: Path, enabled: bool, total: int, heartbeat_s: float = 1.0):
         self.run_dir = run_dir
         self.enabled = enabled
         previous = read_status(run_dir) if enabled else None

@@ -1,0 +1,438 @@
+"""The dashboard (`run.py --ui`): its API against a real server on a free loopback port with real tiny runs (jobs
+queued through it run as real `run.py` processes), and its page in a real headless Chromium.
+
+The module shares one training folder: a finished run and a run that failed in setup are made in this process;
+three jobs are queued: `alpha` (long: the running job the control, browser and stop tests act on), `beta` (long:
+started once alpha stops, then killed with SIGKILL) and `gamma` (cancelled while queued). Each test asks the world for
+the stage it needs (`world.alpha_running()`, ...), which brings it there if an earlier test has not."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from browser import find_browser, start_browser
+from helpers import REPO, run_job, trainer_process
+
+from toolkit.config.loader import ConfigError
+from toolkit.run import control
+from toolkit.ui.jobs import JobQueue, QueueRunner
+from toolkit.ui.server import Dashboard
+
+pytestmark = pytest.mark.slow
+SCREENSHOTS = os.environ.get("DIFFTUNE_UI_SCREENSHOTS")  # a folder: the browser tests save the docs' screenshots
+
+
+def wait_for(what: str, check, timeout: float = 120.0, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Client:
+    """HTTP to a dashboard, as a script or the page would send it."""
+
+    def __init__(self, port: int, token: str | None = None):
+        self.port, self.token = port, token
+
+    def request(self, method: str, path: str, body: str | None = None, headers: dict | None = None):
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        sent = {"X-Difftune": "1"} if method != "GET" else {}
+        if self.token:
+            sent["Authorization"] = f"Bearer {self.token}"
+        sent.update(headers or {})
+        connection.request(method, path, body=body.encode() if body is not None else None, headers=sent)
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        kind = response.getheader("Content-Type", "")
+        return response.status, (json.loads(data) if kind.startswith("application/json") else data), response
+
+    def get(self, path: str, **kw):
+        return self.request("GET", path, **kw)[:2]
+
+    def post(self, path: str, body: str = "", **kw):
+        return self.request("POST", path, body=body, **kw)[:2]
+
+
+def job_text(tmp: Path, name: str, steps: int, **overrides) -> str:
+    process = trainer_process(tmp, train={"steps": steps, "batch_size": 1}, logging={"log_every": 1},
+                              sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64},
+                              **overrides)
+    return yaml.safe_dump({"job": "extension", "config": {"name": name, "process": [process]}})
+
+
+class World:
+    def __init__(self, tmp: Path, registry):
+        self.tmp, self.registry = tmp, registry
+        self.root = tmp / "output"
+        self.server: Dashboard | None = None
+        self.runner: QueueRunner | None = None
+        self.jobs: dict[str, str] = {}  # run name -> job id
+        self.restart_record: dict | None = None
+        self.start_dashboard()
+
+    # ---- the dashboard ------------------------------------------------------------------------------------
+
+    def start_dashboard(self) -> None:
+        queue = JobQueue(self.root, self.registry, REPO / "config", [sys.executable, str(REPO / "run.py")],
+                         cwd=self.tmp)
+        self.server = Dashboard(self.root, queue, "127.0.0.1", 0)
+        self.runner = QueueRunner(queue, interval=0.25)
+        self.server.queue_running = self.runner.start()
+        self.server.serve_in_thread()
+        self.client = Client(self.server.server_address[1])
+
+    def stop_dashboard(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.runner.stop()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def status(self, name: str) -> control.Status | None:
+        return control.read_status(self.root / name)
+
+    def job(self, name: str) -> dict:
+        status, job = self.client.get(f"/api/jobs/{self.jobs[name]}")
+        assert status == 200, job
+        return job
+
+    # ---- stages -------------------------------------------------------------------------------------------
+
+    def alpha_running(self) -> None:
+        if not self.jobs:
+            for name, steps in (("alpha", 100000), ("beta", 100000), ("gamma", 3)):
+                status, answer = self.client.post("/api/jobs", job_text(self.tmp, name, steps))
+                assert status == 201, answer
+                self.jobs[name] = answer["job"]["id"]
+        wait_for("alpha to train", lambda: (s := self.status("alpha")) and s.state == "running" and s.step >= 2)
+
+    def restarted(self) -> dict:
+        """The dashboard stopped and started again on the same folder while alpha trains."""
+        if self.restart_record is None:
+            self.alpha_running()
+            before = self.client.get("/api/jobs")[1]["jobs"]
+            started = self.status("alpha").started_at
+            self.stop_dashboard()
+            time.sleep(1.0)  # a second of scheduling passes, had the old runner been left going
+            self.start_dashboard()
+            time.sleep(1.0)  # and of the new one's
+            after = self.client.get("/api/jobs")[1]["jobs"]
+            self.restart_record = {"before": before, "after": after, "started_at": started,
+                                   "started_at_after": self.status("alpha").started_at}
+        return self.restart_record
+
+    def alpha_stopped(self) -> None:
+        self.restarted()
+        if self.status("alpha").state == "running":
+            status, answer = self.client.post("/api/runs/alpha/control/stop")
+            assert status == 202, answer
+        wait_for("alpha to stop", lambda: self.status("alpha").state == "stopped")
+
+    def beta_killed(self) -> int:
+        self.alpha_stopped()
+        if self.job("gamma")["state"] == "queued":
+            status, answer = self.client.request("DELETE", f"/api/jobs/{self.jobs['gamma']}")[:2]
+            assert status == 200 and answer["state"] == "cancelled", answer
+        wait_for("beta to train", lambda: (s := self.status("beta")) and s.state == "running" and s.step >= 1)
+        pid = self.job("beta")["pid"]
+        if self.status("beta").state == "running":
+            os.kill(pid, signal.SIGKILL)
+        wait_for("the queue to see beta gone", lambda: self.job("beta")["state"] != "running", timeout=30)
+        return pid
+
+    def close(self) -> None:
+        """The queue first (so that it starts nothing more), then every job process still there, with its
+        process group (a job runs in a session of its own)."""
+        if self.server is not None:
+            self.stop_dashboard()
+        for job in JobQueue(self.root, self.registry, REPO / "config", []).jobs():
+            if job.pid is not None and control.process_alive(job.pid):
+                try:
+                    os.killpg(job.pid, signal.SIGKILL)
+                except ProcessLookupError:  # ended meanwhile
+                    pass
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, registry, tiny_sd15):
+    tmp = tmp_path_factory.mktemp("ui")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the queued runs share the two cores with this process and the browser
+    run_job(tmp, registry, "finished", trainer_process(
+        tmp, train={"steps": 4}, save={"save_every": 2},
+        sample={"sample_every": 2, "prompts": ["a red circle", "a blue square"], "sample_steps": 1, "width": 64,
+                "height": 64}))
+    with pytest.raises(ConfigError):
+        run_job(tmp, registry, "broken", trainer_process(tmp, model={"arch": "sd15",
+                                                                     "name_or_path": str(tmp / "absent_model")}))
+    world = World(tmp, registry)
+    yield world
+    world.close()
+    if threads is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = threads
+
+
+@pytest.fixture(scope="module")
+def browser(world):
+    _, _, why = find_browser()
+    if why:
+        pytest.skip(f"no browser for the dashboard's browser tests: {why}")
+    driver = start_browser()
+    yield driver
+    driver.quit()
+
+
+def processes_running(job_id: str) -> list[int]:
+    """The pids whose command line names a queued job's file."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if job_id in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+# ---- API ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_dashboard_restart_keeps_the_queue_and_never_restarts_or_duplicates_a_run(world):
+    record = world.restarted()
+    ids = [job["id"] for job in record["before"]]
+    assert ids == [world.jobs[n] for n in ("alpha", "beta", "gamma")] == [job["id"] for job in record["after"]]
+    assert [job["state"] for job in record["after"]] == ["running", "queued", "queued"]
+    assert record["after"][0]["pid"] == record["before"][0]["pid"]  # the same process, watched again
+    assert record["started_at_after"] == record["started_at"]  # not started again
+    assert processes_running(world.jobs["alpha"]) == [record["after"][0]["pid"]]  # and only once
+    assert world.status("beta") is None  # nothing overtook the running job
+
+
+def test_runs_are_listed_with_their_states(world):
+    world.restarted()
+    status, answer = world.client.get("/api/runs")
+    assert status == 200
+    runs = {run["name"]: run for run in answer["runs"]}
+    assert {"finished", "broken", "alpha"} <= set(runs)
+    assert runs["finished"]["state"] == "finished" and (runs["finished"]["step"], runs["finished"]["total"]) == (4, 4)
+    assert isinstance(runs["finished"]["loss"], float) and runs["finished"]["seconds_per_update"] > 0
+    assert runs["finished"]["thumbnail"] == "/runs/finished/files/samples/step_000000004_1.png"
+    status, image = world.client.get(runs["finished"]["thumbnail"])
+    assert status == 200 and image == (world.root / "finished" / "samples" / "step_000000004_1.png").read_bytes()
+    assert runs["broken"]["state"] == "failed" and "looks like a local path" in runs["broken"]["last_error"]
+    alpha = runs["alpha"]
+    assert alpha["state"] == "running" and alpha["total"] == 100000 and alpha["step"] >= 2
+    assert alpha["eta_s"] > 0 and alpha["seconds_per_update"] > 0 and alpha["loss"] is not None
+    status, detail = world.client.get("/api/runs/finished?since=2")
+    assert [r["step"] for r in detail["metrics"]] == [3, 4] and detail["last_step"] == 4
+    assert detail["plan"]["total updates"] == 4 and "name_or_path: tiny" in detail["config"]
+    assert [(s["step"], s["index"], s["prompt"]) for s in detail["samples"]] == [
+        (2, 0, "a red circle"), (2, 1, "a blue square"), (4, 0, "a red circle"), (4, 1, "a blue square")]
+
+
+def test_control_requests_are_acted_on_by_the_running_job(world):
+    world.alpha_running()
+    if world.status("alpha").state != "running":
+        pytest.skip("alpha was stopped by an earlier test")
+    status, answer = world.client.post("/api/runs/alpha/control/save")
+    assert status == 202 and answer["requested"] == "save"
+    wait_for("alpha's checkpoint", lambda: list((world.root / "alpha" / "checkpoints").glob("step_*/train_state.json")),
+             timeout=60)
+    status, _ = world.client.post("/api/runs/alpha/control/sample")
+    assert status == 202
+    wait_for("alpha's sample", lambda: list((world.root / "alpha" / "samples").glob("step_*_0.png")), timeout=60)
+    wait_for("the requests to be removed once acted on",
+             lambda: not list((world.root / "alpha" / "control").glob("*.json")), timeout=30)
+    assert world.client.post("/api/runs/finished/control/stop")[0] == 409  # nothing runs there
+    assert world.client.post("/api/runs/alpha/control/pause")[0] == 404
+    assert world.client.post("/api/runs/absent/control/stop")[0] == 404
+
+
+def test_a_job_file_with_errors_is_refused_by_key_and_nothing_is_queued(world):
+    before = world.client.get("/api/jobs")[1]["jobs"]
+    typo = job_text(world.tmp, "typo", 3).replace("lr:", "lrr:")
+    status, answer = world.client.post("/api/jobs", typo)
+    assert status == 400
+    assert {"key": "config.process[0].train.lrr", "message": "unknown key (did you mean 'lr'?)"} in answer["errors"]
+    missing = yaml.safe_load(job_text(world.tmp, "missing", 3))
+    missing["config"]["process"][0]["datasets"][0]["folder_path"] = str(world.tmp / "no_such_folder")
+    status, answer = world.client.post("/api/jobs", yaml.safe_dump(missing))
+    assert status == 400 and answer["errors"][0]["key"] == "config.process[0].datasets[0].folder_path"
+    # parsed safely: a Python tag is an error, never a call
+    status, answer = world.client.post("/api/jobs", "!!python/object/apply:os.system ['touch pwned']\n")
+    assert status == 400 and "cannot parse" in answer["errors"][0]["message"]
+    assert not (world.tmp / "pwned").exists() and not Path("pwned").exists()
+    assert world.client.get("/api/jobs")[1]["jobs"] == before
+
+
+def test_a_job_cannot_write_outside_the_training_folder_unless_allowed(world, tmp_path):
+    outside = yaml.safe_load(job_text(world.tmp, "outside", 3))
+    outside["config"]["process"][0]["training_folder"] = str(tmp_path / "elsewhere")
+    status, answer = world.client.post("/api/jobs", yaml.safe_dump(outside))
+    assert status == 400 and answer["errors"][0]["key"] == "config.process[0].training_folder"
+    assert "--allow-outside" in answer["errors"][0]["message"]
+    cached = yaml.safe_load(job_text(world.tmp, "cached", 3))
+    cached["config"]["process"][0]["datasets"][0]["cache_latents_to_disk"] = True  # default cache: the image folder
+    status, answer = world.client.post("/api/jobs", yaml.safe_dump(cached))
+    assert status == 400 and answer["errors"][0]["key"] == "config.process[0].datasets[0].cache_dir"
+    allowed = JobQueue(tmp_path / "root", world.registry, REPO / "config", [sys.executable], cwd=world.tmp,
+                       allow_outside=True)
+    job, problems = allowed.submit(yaml.safe_dump(outside))
+    assert problems == [] and job.state == "queued" and job.run is None  # queued, not run: no runner here
+
+
+def test_token_host_and_write_header_rules(world):
+    token_server = Dashboard(world.root, None, "127.0.0.1", 0, token="s3cret")
+    token_server.serve_in_thread()
+    try:
+        port = token_server.server_address[1]
+        anonymous, holder = Client(port), Client(port, token="s3cret")
+        for path in ("/", "/static/app.js", "/api/runs", "/runs/finished/files/metrics.jsonl"):
+            assert anonymous.get(path)[0] == 401, path
+            assert holder.get(path)[0] == 200, path
+        assert Client(port, token="wrong").get("/api/runs")[0] == 401
+        status, _, response = anonymous.request("GET", "/?token=s3cret")
+        cookie = response.getheader("Set-Cookie")
+        assert status == 200 and cookie.startswith("difftune_token=s3cret") and "HttpOnly" in cookie
+        assert anonymous.get("/api/runs", headers={"Cookie": "difftune_token=s3cret"})[0] == 200
+    finally:
+        token_server.shutdown()
+        token_server.server_close()
+    with pytest.raises(ValueError, match="token"):
+        Dashboard(world.root, None, "0.0.0.0", 0)
+    client = world.client
+    assert client.get("/api/runs", headers={"Host": "evil.example:80"})[0] == 421  # DNS rebinding
+    assert client.request("POST", "/api/runs/finished/control/stop", headers={"X-Difftune": "0"})[0] == 403
+
+
+def test_a_non_loopback_dashboard_prints_a_generated_token(tmp_path):
+    process = subprocess.Popen([sys.executable, str(REPO / "run.py"), "--ui", str(tmp_path), "--host", "0.0.0.0",
+                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = process.stdout.readline().strip()
+    finally:
+        process.kill()
+        process.wait()
+    assert line.startswith("http://0.0.0.0:") and "?token=" in line and len(line.split("?token=")[1]) >= 24
+    port = int(line.split(":")[2].split("/")[0])
+    assert port > 0
+
+
+def test_files_are_served_only_from_inside_run_folders(world):
+    client = world.client
+    (world.root / "finished" / "outside_link").symlink_to(world.tmp / "finished.yaml")
+    for path in ("/runs/finished/files/../../finished.yaml", "/runs/finished/files/%2E%2E/%2E%2E/finished.yaml",
+                 "/runs/..%2F..%2F/files/finished.yaml", "/runs/finished/files/outside_link",
+                 "/runs/%2Fetc/files/passwd", "/static/..%2Fserver.py", "/static/%2E%2E/jobs.py",
+                 "/runs/.queue/files/runner.lock", "/api/runs/..%2F..%2Fetc"):
+        status, _ = client.get(path)
+        assert 400 <= status < 500, path
+    assert client.get("/runs/finished/files/config.yaml")[0] == 200
+    status, _, response = client.request("GET", "/runs/finished/files/report.html")
+    assert status == 200 and "sandbox" in response.getheader("Content-Security-Policy")
+
+
+# ---- in the browser ----------------------------------------------------------------------------------------------
+
+
+def screenshot(driver, name: str) -> None:
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        driver.set_window_size(1280, min(max(height, 700), 2600))
+        time.sleep(0.5)
+        driver.save_screenshot(str(Path(SCREENSHOTS) / name))
+        driver.set_window_size(1280, 900)
+
+
+def test_browser_runs_page_lists_the_runs(world, browser):
+    world.alpha_running()
+    browser.get(world.url)
+    rows = wait_for("the runs table", lambda: {row.get_attribute("data-run"): row.get_attribute("data-state")
+                                               for row in browser.find_elements("css selector", "#runs tr[data-run]")}
+                    if len(browser.find_elements("css selector", "#runs tr[data-run]")) >= 3 else None, timeout=20)
+    assert rows["finished"] == "finished" and rows["broken"] == "failed"
+    assert rows["alpha"] in ("running", "stopped")
+    thumbnail = browser.find_element("css selector", "tr[data-run=finished] img.thumb")
+    wait_for("the thumbnail to load", lambda: browser.execute_script("return arguments[0].naturalWidth", thumbnail) > 0,
+             timeout=10)
+    screenshot(browser, "ui_runs.png")
+
+
+def test_browser_curve_grows_while_the_run_logs(world, browser):
+    world.alpha_running()
+    if world.status("alpha").state != "running":
+        pytest.skip("alpha was stopped by an earlier test")
+    browser.get(world.url + "#/run/alpha")
+    line = 'polyline.smooth[data-run="alpha"][data-series="loss"]'
+
+    def points() -> int:
+        found = browser.find_elements("css selector", line)
+        return int(found[0].get_attribute("data-points")) if found else 0
+
+    first = wait_for("the loss curve", points, timeout=20)
+    wait_for("the loss curve to grow", lambda: points() > first + 2, timeout=60)
+    ticks = browser.find_elements("css selector", '[data-chart="loss"] text[data-tick="y"]')
+    assert len(ticks) >= 2  # the value axis is labelled
+    browser.execute_script("document.getElementById('log-scale').click()")
+    assert browser.find_elements("css selector", '[data-chart="loss"] h3 small')[0].text.endswith("log scale)")
+    screenshot(browser, "ui_run.png")
+
+
+def test_browser_shows_a_typo_by_key(world, browser):
+    browser.get(world.url + "#/queue")
+    text = wait_for("the queue page", lambda: browser.find_elements("id", "job-text"), timeout=10)[0]
+    typo = job_text(world.tmp, "typo", 3).replace("lr:", "lrr:")
+    browser.execute_script("arguments[0].value = arguments[1]", text, typo)
+    browser.find_element("id", "job-submit").click()
+    item = wait_for("the error list", lambda: browser.find_elements(
+        "css selector", '#job-errors li[data-key="config.process[0].train.lrr"]'), timeout=10)[0]
+    assert "did you mean 'lr'" in item.text
+
+
+def test_browser_stop_button_stops_the_running_job(world, browser):
+    world.restarted()
+    if world.status("alpha").state != "running":
+        pytest.skip("alpha was stopped by an earlier test")
+    browser.get(world.url + "#/run/alpha")
+    button = wait_for("the stop button to be enabled", lambda: [b for b in browser.find_elements("id", "control-stop")
+                                                                  if b.is_enabled()], timeout=20)[0]
+    button.click()
+    wait_for("alpha to stop", lambda: world.status("alpha").state == "stopped", timeout=120)
+    wait_for("the page to say so", lambda: browser.find_elements("css selector", '#run-state [data-state="stopped"]'),
+             timeout=10)
+
+
+def test_the_next_job_starts_when_the_running_one_stops_and_a_killed_run_is_crashed(world):
+    world.beta_killed()
+    assert world.status("alpha").state == "stopped" and world.job("alpha")["state"] == "stopped"
+    beta = world.job("beta")
+    assert beta["state"] == "crashed" and beta["returncode"] == -signal.SIGKILL
+    assert world.job("gamma")["state"] == "cancelled" and world.status("gamma") is None  # never started
+    runs = {run["name"]: run for run in world.client.get("/api/runs")[1]["runs"]}
+    assert runs["beta"]["state"] == "crashed" and runs["beta"]["note"].startswith("nothing saved yet")
+    assert runs["alpha"]["state"] == "stopped"
+    assert [job["id"] for job in world.client.get("/api/jobs")[1]["jobs"]] == [world.jobs[n] for n in
+                                                                               ("alpha", "beta", "gamma")]
+    said = subprocess.run([sys.executable, str(REPO / "run.py"), "--status", str(world.root / "beta")],
+                          capture_output=True, text=True).stdout
+    assert "crashed, nothing saved yet" in said

@@ -1,0 +1,46 @@
+"""`python run.py --ui`: the dashboard and its job queue, until Ctrl-C (running jobs go on)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from toolkit.ui.jobs import JobQueue, QueueRunner
+from toolkit.ui.server import Dashboard, is_loopback, new_token
+
+log = logging.getLogger("difftune")
+
+
+def build_dashboard(root: Path, registry, config_root: Path, run_py: Path, host: str = "127.0.0.1", port: int = 8675,
+                    token: str | None = None, allow_outside: bool = False,
+                    gpu_sets: list[str] | None = None) -> tuple[Dashboard, QueueRunner]:
+    """The server and its queue runner (not started)."""
+    root.mkdir(parents=True, exist_ok=True)
+    queue = JobQueue(root, registry, config_root, [sys.executable, str(run_py)], allow_outside=allow_outside,
+                     gpu_sets=list(gpu_sets) if gpu_sets else None)
+    return Dashboard(root, queue, host, port, token), QueueRunner(queue)
+
+
+def serve(root: Path, registry, config_root: Path, run_py: Path, host: str, port: int, token: str | None,
+          allow_outside: bool, gpu_sets: list[str] | None) -> int:
+    if not is_loopback(host) and not token:
+        token = new_token()
+    try:
+        dashboard, runner = build_dashboard(root, registry, config_root, run_py, host, port, token, allow_outside,
+                                            gpu_sets)
+    except OSError as err:
+        log.error("cannot serve the dashboard on %s:%d: %s", host, port, err)
+        return 2
+    dashboard.queue_running = runner.start()
+    address = dashboard.url + (f"?token={token}" if token else "")
+    log.info("dashboard for %s at %s (Ctrl-C ends the dashboard; running jobs go on)", root.resolve(), address)
+    print(address, flush=True)
+    try:
+        dashboard.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.stop()
+        dashboard.server_close()
+    return 0

@@ -1,0 +1,339 @@
+"""The dashboard's job queue: a folder of files, `<training folder>/.queue/`.
+
+Each job is `<id>.job.yaml` (the job file as submitted; `.job.json` for a JSON one), `<id>.json` (its state: queued, running, finished, stopped,
+failed, crashed, cancelled; the process running it) and `<id>.log` (that process's output). Ids are zero-padded
+submission numbers, so the queue's order is the order of the file names and survives a restart of the dashboard.
+
+A job runs as its own `run.py` process (through `accelerate launch` when its GPU set has several devices), in a
+session of its own: stopping or restarting the dashboard never stops it, and a restarted dashboard finds it by its
+pid and watches it instead of starting it again. How a job ended is read from its run folder's status.json, the
+same file `run.py --status` reads. One dashboard at a time runs a folder's queue (a lock file); another one on the
+same folder shows it without starting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from toolkit.config.loader import ConfigError, check_paths, load_config
+from toolkit.config.preflight import written_folders
+from toolkit.errors import UserError
+from toolkit.files import write_json_atomic, write_text_atomic
+from toolkit.run.control import process_alive, run_state
+
+log = logging.getLogger("difftune")
+
+QUEUE_DIR = ".queue"
+JOB_STATES = ("queued", "running", "finished", "stopped", "failed", "crashed", "cancelled")
+#: a job's id: its submission number, then its run name (for people reading the folder)
+JOB_ID = re.compile(r"^(\d{6})-[A-Za-z0-9_-]{0,64}$")
+#: a submitted job file larger than this is refused (a job file is a few kilobytes)
+MAX_JOB_BYTES = 1 << 20
+#: a problem line of a config error: "  <key>: <message>"
+PROBLEM_LINE = re.compile(r"^\s{2}(\S[^:]*?): (.*)$")
+
+
+@dataclass
+class Job:
+    id: str
+    name: str
+    state: str
+    submitted_at: float
+    #: the folder the job's relative paths are read from (the dashboard's working folder when it was submitted)
+    cwd: str
+    #: <training_folder>/<name>, resolved
+    run_folder: str
+    #: the job file as submitted, in the queue folder
+    file: str = ""
+    #: the run's name in the dashboard (its folder under the training folder), when it is inside it
+    run: str | None = None
+    pid: int | None = None
+    gpus: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    returncode: int | None = None
+    #: why a queued job waits, or how a finished one ended, in words
+    note: str = ""
+
+    @classmethod
+    def read(cls, path: Path) -> Job | None:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def problems_of(error: UserError, shown_path: Path, given_name: str) -> list[dict[str, str]]:
+    """A config error as {key, message} items (one per problem line), with the temporary file's path replaced by
+    the name the job was given."""
+    text = str(error).replace(str(shown_path), given_name)
+    found = [{"key": m.group(1), "message": m.group(2)} for line in text.splitlines()
+             if (m := PROBLEM_LINE.match(line))]
+    return found or [{"key": "", "message": text}]
+
+
+class JobQueue:
+    """Submitting, listing and running the jobs of one training folder."""
+
+    def __init__(self, root: Path, registry, config_root: Path, launcher: list[str], *, cwd: Path | None = None,
+                 allow_outside: bool = False, gpu_sets: list[str | None] | None = None):
+        self.root = root.resolve()
+        self.folder = self.root / QUEUE_DIR
+        self.registry = registry
+        self.config_root = config_root
+        self.launcher = launcher
+        self.cwd = (cwd or Path.cwd()).resolve()
+        self.allow_outside = allow_outside
+        self.gpu_sets: list[str | None] = gpu_sets or [None]
+        self.children: dict[str, subprocess.Popen] = {}
+        self.lock = threading.RLock()
+
+    # ---- submitting ------------------------------------------------------------------------------------
+
+    def validate(self, text: str, given_name: str = "job.yaml"):
+        """(config, problems): the job read by the same loader and checks as `run.py` (schema, then paths), and
+        where it would write checked against the training folder. Nothing is started."""
+        if len(text.encode("utf-8")) > MAX_JOB_BYTES:
+            return None, [{"key": "", "message": f"{given_name}: larger than {MAX_JOB_BYTES} bytes"}]
+        suffix = ".json" if given_name.lower().endswith(".json") else ".yaml"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        probe = self.folder / f".incoming-{os.getpid()}-{threading.get_ident()}{suffix}"
+        write_text_atomic(probe, text)
+        try:
+            config, _ = load_config(str(probe), self.registry, config_root=self.config_root)
+            check_paths(config, probe)
+        except (ConfigError, UserError) as err:
+            return None, problems_of(err, probe, given_name)
+        finally:
+            probe.unlink(missing_ok=True)
+        return config, self.outside_problems(config)
+
+    def outside_problems(self, config) -> list[dict[str, str]]:
+        if self.allow_outside:
+            return []
+        problems = []
+        for index, process in enumerate(config.config.process):
+            for key, folder in written_folders(process):
+                where = (self.cwd / folder).resolve()
+                if not where.is_relative_to(self.root):
+                    problems.append({"key": f"config.process[{index}].{key}",
+                                     "message": f"writes to {where}, outside the dashboard's training folder "
+                                                f"{self.root} (start the dashboard with --allow-outside to allow it)"})
+        return problems
+
+    def submit(self, text: str, given_name: str = "job.yaml") -> tuple[Job | None, list[dict[str, str]]]:
+        """Validate and queue a job file: (the queued job, []) or (None, every problem by key)."""
+        config, problems = self.validate(text, given_name)
+        if problems:
+            return None, problems
+        name = config.config.name
+        process = config.config.process[0]
+        run_folder = (self.cwd / getattr(process, "training_folder", "output") / name).resolve()
+        run = run_folder.relative_to(self.root).as_posix() if run_folder.is_relative_to(self.root) else None
+        with self.lock:
+            job_id, path = self.claim_id(name, ".job.json" if given_name.lower().endswith(".json") else ".job.yaml")
+            path.write_text(text, encoding="utf-8")
+            job = Job(id=job_id, name=name, state="queued", submitted_at=time.time(), cwd=str(self.cwd),
+                      run_folder=str(run_folder), file=path.name, run=run)
+            self.save(job)
+        return job, []
+
+    def claim_id(self, name: str, suffix: str) -> tuple[str, Path]:
+        """The next submission number, claimed by creating its job file (exclusive: two dashboards never share
+        one)."""
+        slug = re.sub(r"[^A-Za-z0-9_-]", "_", name)[:64]
+        number = max((int(p.name[:6]) for p in self.folder.iterdir() if re.match(r"^\d{6}-", p.name)), default=0) + 1
+        while True:
+            job_id = f"{number:06d}-{slug}"
+            path = self.folder / f"{job_id}{suffix}"
+            try:
+                with path.open("x", encoding="utf-8"):
+                    return job_id, path
+            except FileExistsError:
+                number += 1
+
+    # ---- reading ---------------------------------------------------------------------------------------
+
+    def jobs(self) -> list[Job]:
+        """Every job, in queue order."""
+        if not self.folder.is_dir():
+            return []
+        found = [Job.read(p) for p in sorted(self.folder.glob("*.json")) if JOB_ID.match(p.stem)]
+        return [job for job in found if job is not None]
+
+    def job(self, job_id: str) -> Job | None:
+        if not JOB_ID.match(job_id):
+            return None
+        return Job.read(self.folder / f"{job_id}.json")
+
+    def job_file(self, job: Job) -> Path:
+        return self.folder / job.file
+
+    def log_tail(self, job: Job, limit: int = 64 * 1024) -> str:
+        path = self.folder / f"{job.id}.log"
+        try:
+            with path.open("rb") as handle:
+                handle.seek(max(path.stat().st_size - limit, 0))
+                return handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def save(self, job: Job) -> None:
+        write_json_atomic(self.folder / f"{job.id}.json", asdict(job), sort_keys=False)
+
+    def cancel(self, job_id: str) -> Job:
+        """A queued job leaves the queue (its files stay, as `cancelled`); a running one is stopped through its
+        run's control channel, not here."""
+        with self.lock:
+            job = self.job(job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if job.state != "queued":
+                raise ValueError(f"job {job_id} is {job.state}; only a queued job can be cancelled (stop a running "
+                                 "one from its run page)")
+            job.state, job.ended_at, job.note = "cancelled", time.time(), "cancelled before it started"
+            self.save(job)
+            return job
+
+    # ---- running ---------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One pass: note the jobs that ended, then start queued ones, in order, while a GPU set is free."""
+        with self.lock:
+            jobs = self.jobs()
+            for job in jobs:
+                if job.state == "running":
+                    self.check_running(job)
+            busy = {job.gpus for job in jobs if job.state == "running"}
+            free = [gpus for gpus in self.gpu_sets if gpus not in busy]
+            for job in (j for j in jobs if j.state == "queued"):
+                if not free:
+                    break
+                in_use = run_state(Path(job.run_folder))
+                if in_use.state == "running":  # started outside the queue (another terminal): wait for it
+                    note = f"waiting: its run folder is in use by process {in_use.status.pid}"
+                    if job.note != note:
+                        job.note = note
+                        self.save(job)
+                    break  # the queue keeps its order: nothing overtakes a waiting job
+                self.start(job, free.pop(0))
+
+    def start(self, job: Job, gpus: str | None) -> None:
+        env = dict(os.environ)
+        command = [*self.launcher, "--quiet", str(self.job_file(job))]
+        devices = [d for d in (gpus or "").split(",") if d.strip()]
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        if len(devices) > 1:
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                       str(len(devices)), *self.launcher[1:], "--quiet", str(self.job_file(job))]
+        with (self.folder / f"{job.id}.log").open("ab") as log_file:
+            child = subprocess.Popen(command, cwd=job.cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.children[job.id] = child
+        job.state, job.pid, job.gpus, job.started_at, job.note = "running", child.pid, gpus, time.time(), ""
+        self.save(job)
+        log.info("job %s started (pid %d%s)", job.id, child.pid, f", CUDA_VISIBLE_DEVICES={gpus}" if gpus else "")
+
+    def check_running(self, job: Job) -> None:
+        """A running job whose process is gone ends with its run's state (finished, stopped, failed, crashed)."""
+        child = self.children.get(job.id)
+        if child is not None:
+            returncode = child.poll()
+            if returncode is None:
+                return
+            del self.children[job.id]
+        else:  # started by an earlier dashboard: watched by its pid
+            if job.pid is not None and process_alive(job.pid) and runs_job(job.pid, job.id):
+                return
+            returncode = None
+        found = run_state(Path(job.run_folder))
+        started = found.status is not None and found.status.started_at >= (job.started_at or 0) - 1
+        if started and found.state in ("finished", "stopped", "failed", "crashed"):
+            job.state = found.state
+        else:  # it ended before its run began (an error in the job file, a path gone since it was queued)
+            job.state = "finished" if returncode == 0 and started else "failed"
+        job.returncode, job.ended_at = returncode, time.time()
+        if job.state == "failed" and found.status is not None and started and found.status.last_error:
+            job.note = found.status.last_error
+        elif job.state == "failed":
+            job.note = last_error_line(self.log_tail(job, 8192))
+        self.save(job)
+        log.info("job %s %s", job.id, job.state)
+
+
+def runs_job(pid: int, job_id: str) -> bool:
+    """Whether process `pid` is the one running job `job_id` (not a later process that got its pid); where the
+    process table cannot be read, a live pid is taken for it."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return True
+    return job_id in command
+
+
+def last_error_line(log_text: str) -> str:
+    lines = [line for line in log_text.splitlines() if line.strip()]
+    errors = [line for line in lines if " ERROR " in line or "Error" in line]
+    return (errors or lines or [""])[-1][-500:]
+
+
+class QueueRunner:
+    """Runs a queue: a thread that ticks every `interval` seconds while this dashboard holds the queue's lock."""
+
+    def __init__(self, queue: JobQueue, interval: float = 1.0):
+        self.queue = queue
+        self.interval = interval
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.lock_file = None
+
+    def acquire(self) -> bool:
+        import fcntl
+
+        self.queue.folder.mkdir(parents=True, exist_ok=True)
+        self.lock_file = (self.queue.folder / "runner.lock").open("a")
+        try:
+            fcntl.flock(self.lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.lock_file.close()
+            self.lock_file = None
+            return False
+        return True
+
+    def start(self) -> bool:
+        """Start running the queue; False when another dashboard runs it."""
+        if not self.acquire():
+            log.warning("another dashboard runs the job queue in %s: this one shows it and starts nothing",
+                        self.queue.folder)
+            return False
+        self.thread = threading.Thread(target=self.loop, name="difftune-queue", daemon=True)
+        self.thread.start()
+        return True
+
+    def loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.queue.tick()
+            except Exception:  # a failure to start one job must not end the queue
+                log.exception("job queue")
+            self.stopping.wait(self.interval)
+
+    def stop(self) -> None:
+        """Stop scheduling (running jobs go on: they are processes of their own)."""
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        if self.lock_file is not None:
+            self.lock_file.close()
+            self.lock_file = None
