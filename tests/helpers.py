@@ -147,10 +147,14 @@ def shown(frames, level: int = 20) -> list[int]:
 
 
 def launch(job: Path, processes: int, cwd: Path, script: Path = REPO / "run.py",
-           env: dict | None = None, timeout: int = 600, extra_jobs: list[str] = ()) -> subprocess.CompletedProcess:
+           env: dict | None = None, timeout: int = 600, extra_jobs: list[str] = (),
+           cpu_by_env: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch --multi_gpu --num_processes N run.py job [more jobs]` on the CPU (gloo), as a user
-    would; several job files in one launch run one after the other in the same processes."""
+    would; several job files in one launch run one after the other in the same processes. `cpu_by_env` False
+    leaves ACCELERATE_USE_CPU unset: the jobs' `device: cpu` alone must give CPU processes."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1", **(env or {})}
+    if not cpu_by_env:
+        env.pop("ACCELERATE_USE_CPU")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(script), str(job), *extra_jobs]

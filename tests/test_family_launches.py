@@ -68,9 +68,15 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     loads, weights = tmp_path / "loads", tmp_path / "weights"
     loads.mkdir()
     weights.mkdir()
+    # a plain multi-GPU launch line without ACCELERATE_USE_CPU: the jobs' `device: cpu` alone gives two CPU processes
     result = launch(paths[0], 2, tmp_path, extra_jobs=paths[1:], script=REPO / "tests" / "instrumented_run.py",
-                    env={"DIFFTUNE_TEST_RECORD_MODEL_LOADS": str(loads), "DIFFTUNE_TEST_RECORD_LORA": str(weights)})
+                    env={"DIFFTUNE_TEST_RECORD_MODEL_LOADS": str(loads), "DIFFTUNE_TEST_RECORD_LORA": str(weights)},
+                    cpu_by_env=False)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("processes                            2") == len(jobs)
+    state = json.loads((tmp_path / "lokr" / "output" / "lokr" / "checkpoints" / "step_000000004" /
+                        "train_state.json").read_text())
+    assert state["world_size"] == 2 and state["global_step"] == 4
     for name in jobs:  # DDP (and the hand-averaged text encoders) keep every process's weights the same
         first, second = (load_file(str(weights / f"{name}_rank{rank}.safetensors")) for rank in (0, 1))
         assert first and first.keys() == second.keys(), name

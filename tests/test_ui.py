@@ -2,9 +2,10 @@
 queued through it run as real `run.py` processes), and its page in a real headless Chromium.
 
 The module shares one training folder: a finished run and a run that failed in setup are made in this process;
-three jobs are queued: `alpha` (long: the running job the control, browser and stop tests act on), `beta` (long:
-started once alpha stops, then killed with SIGKILL) and `gamma` (cancelled while queued). Each test asks the world for
-the stage it needs (`world.alpha_running()`, ...), which brings it there if an earlier test has not."""
+three jobs are queued: `alpha` (long: listed, steered and restarted-around while it trains, then killed with SIGKILL
+before its first checkpoint), `beta` (long: starts when alpha is gone; the browser's curve, save and stop tests act
+on it) and `gamma` (cancelled while queued). Each test asks the world for the stage it needs (`world.alpha_killed()`,
+...), which brings it there if an earlier test has not."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def job_text(tmp: Path, name: str, steps: int, **overrides) -> str:
     process = trainer_process(tmp, train={"steps": steps, "batch_size": 1}, logging={"log_every": 1},
                               sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64},
                               **overrides)
+    process["datasets"][0]["cache_latents"] = True
     return yaml.safe_dump({"job": "extension", "config": {"name": name, "process": [process]}})
 
 
@@ -114,13 +116,17 @@ class World:
 
     # ---- stages -------------------------------------------------------------------------------------------
 
-    def alpha_running(self) -> None:
+    def submitted(self) -> None:
         if not self.jobs:
             for name, steps in (("alpha", 100000), ("beta", 100000), ("gamma", 3)):
                 status, answer = self.client.post("/api/jobs", job_text(self.tmp, name, steps))
                 assert status == 201, answer
                 self.jobs[name] = answer["job"]["id"]
-        wait_for("alpha to train", lambda: (s := self.status("alpha")) and s.state == "running" and s.step >= 2)
+
+    def alpha_running(self) -> None:
+        self.submitted()
+        wait_for("alpha to train", lambda: (s := self.status("alpha")) and s.state in ("running", "crashed")
+                 and s.step >= 2)
 
     def restarted(self) -> dict:
         """The dashboard stopped and started again on the same folder while alpha trains."""
@@ -129,32 +135,36 @@ class World:
             before = self.client.get("/api/jobs")[1]["jobs"]
             started = self.status("alpha").started_at
             self.stop_dashboard()
-            time.sleep(1.0)  # a second of scheduling passes, had the old runner been left going
+            time.sleep(0.5)  # scheduling passes, had the old runner been left going
             self.start_dashboard()
-            time.sleep(1.0)  # and of the new one's
+            time.sleep(0.5)  # and the new one's
             after = self.client.get("/api/jobs")[1]["jobs"]
             self.restart_record = {"before": before, "after": after, "started_at": started,
                                    "started_at_after": self.status("alpha").started_at}
         return self.restart_record
 
-    def alpha_stopped(self) -> None:
+    def alpha_killed(self) -> None:
+        """alpha killed with SIGKILL (before any checkpoint), gamma cancelled: the queue goes on with beta."""
         self.restarted()
-        if self.status("alpha").state == "running":
-            status, answer = self.client.post("/api/runs/alpha/control/stop")
-            assert status == 202, answer
-        wait_for("alpha to stop", lambda: self.status("alpha").state == "stopped")
-
-    def beta_killed(self) -> int:
-        self.alpha_stopped()
+        if self.job("alpha")["state"] == "running":
+            os.kill(self.job("alpha")["pid"], signal.SIGKILL)
+        wait_for("the queue to see alpha gone", lambda: self.job("alpha")["state"] != "running", timeout=30)
         if self.job("gamma")["state"] == "queued":
             status, answer = self.client.request("DELETE", f"/api/jobs/{self.jobs['gamma']}")[:2]
             assert status == 200 and answer["state"] == "cancelled", answer
-        wait_for("beta to train", lambda: (s := self.status("beta")) and s.state == "running" and s.step >= 1)
-        pid = self.job("beta")["pid"]
+
+    def beta_running(self) -> None:
+        self.alpha_killed()
+        wait_for("beta to train", lambda: (s := self.status("beta")) and s.state in ("running", "stopped")
+                 and s.step >= 2)
+
+    def beta_stopped(self) -> None:
+        self.beta_running()
         if self.status("beta").state == "running":
-            os.kill(pid, signal.SIGKILL)
-        wait_for("the queue to see beta gone", lambda: self.job("beta")["state"] != "running", timeout=30)
-        return pid
+            status, answer = self.client.post("/api/runs/beta/control/stop")
+            assert status == 202, answer
+        wait_for("beta to stop", lambda: self.status("beta").state == "stopped")
+        wait_for("the queue to see beta end", lambda: self.job("beta")["state"] != "running", timeout=30)
 
     def close(self) -> None:
         """The queue first (so that it starts nothing more), then every job process still there, with its
@@ -174,20 +184,23 @@ def world(tmp_path_factory, registry, tiny_sd15):
     tmp = tmp_path_factory.mktemp("ui")
     threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the queued runs share the two cores with this process and the browser
-    run_job(tmp, registry, "finished", trainer_process(
-        tmp, train={"steps": 4}, save={"save_every": 2},
-        sample={"sample_every": 2, "prompts": ["a red circle", "a blue square"], "sample_steps": 1, "width": 64,
-                "height": 64}))
-    with pytest.raises(ConfigError):
-        run_job(tmp, registry, "broken", trainer_process(tmp, model={"arch": "sd15",
-                                                                     "name_or_path": str(tmp / "absent_model")}))
     world = World(tmp, registry)
-    yield world
-    world.close()
-    if threads is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = threads
+    try:
+        world.submitted()  # alpha starts while the two runs below are made here
+        run_job(tmp, registry, "finished", trainer_process(
+            tmp, train={"steps": 4}, save={"save_every": 2},
+            sample={"sample_every": 2, "prompts": ["a red circle", "a blue square"], "sample_steps": 1, "width": 64,
+                    "height": 64}))
+        with pytest.raises(ConfigError):
+            run_job(tmp, registry, "broken", trainer_process(tmp, model={"arch": "sd15",
+                                                                         "name_or_path": str(tmp / "absent_model")}))
+        yield world
+    finally:
+        world.close()
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
 
 
 @pytest.fixture(scope="module")
@@ -250,21 +263,38 @@ def test_runs_are_listed_with_their_states(world):
 
 
 def test_control_requests_are_acted_on_by_the_running_job(world):
-    world.alpha_running()
-    if world.status("alpha").state != "running":
-        pytest.skip("alpha was stopped by an earlier test")
-    status, answer = world.client.post("/api/runs/alpha/control/save")
-    assert status == 202 and answer["requested"] == "save"
-    wait_for("alpha's checkpoint", lambda: list((world.root / "alpha" / "checkpoints").glob("step_*/train_state.json")),
-             timeout=60)
-    status, _ = world.client.post("/api/runs/alpha/control/sample")
-    assert status == 202
+    """A sample request through the API (the browser's save and stop buttons act on beta below); alpha keeps no
+    checkpoint, so its kill below is a crash before the first one."""
+    world.restarted()
+    if world.job("alpha")["state"] != "running":
+        pytest.skip("alpha was killed by an earlier test")
+    status, answer = world.client.post("/api/runs/alpha/control/sample")
+    assert status == 202 and answer["requested"] == "sample"
     wait_for("alpha's sample", lambda: list((world.root / "alpha" / "samples").glob("step_*_0.png")), timeout=60)
-    wait_for("the requests to be removed once acted on",
+    wait_for("the request to be removed once acted on",
              lambda: not list((world.root / "alpha" / "control").glob("*.json")), timeout=30)
     assert world.client.post("/api/runs/finished/control/stop")[0] == 409  # nothing runs there
     assert world.client.post("/api/runs/alpha/control/pause")[0] == 404
     assert world.client.post("/api/runs/absent/control/stop")[0] == 404
+
+
+def test_a_killed_run_is_crashed_with_nothing_saved_and_the_next_job_starts(world):
+    world.alpha_killed()
+    alpha = world.job("alpha")
+    # started by the dashboard before its restart: the new one watched it by its pid, so it has no exit code
+    assert alpha["state"] == "crashed" and alpha["returncode"] is None
+    runs = {run["name"]: run for run in world.client.get("/api/runs")[1]["runs"]}
+    assert runs["alpha"]["state"] == "crashed" and runs["alpha"]["note"].startswith("nothing saved yet")
+    said = subprocess.run([sys.executable, str(REPO / "run.py"), "--status", str(world.root / "alpha")],
+                          capture_output=True, text=True, check=False).stdout
+    assert "crashed, nothing saved yet" in said and "starts over" in said
+    # the queue went on with the next job in its order (gamma, cancelled, never starts)
+    wait_for("beta to start", lambda: world.job("beta")["state"] != "queued", timeout=10)
+    assert world.job("gamma")["state"] == "cancelled"
+    # jobs run as `run.py --quiet`: the log, not a progress bar (alpha cached its latents and sampled)
+    log = world.job("alpha")["log"]
+    assert "total updates" in log and "caching latents" not in log
+    assert not any(bar in log for bar in ("train:", "caching", "sampling", "it/s]", "step/s")), log[-3000:]
 
 
 def test_a_job_file_with_errors_is_refused_by_key_and_nothing_is_queued(world):
@@ -371,7 +401,7 @@ def test_browser_runs_page_lists_the_runs(world, browser):
                                                for row in browser.find_elements("css selector", "#runs tr[data-run]")}
                     if len(browser.find_elements("css selector", "#runs tr[data-run]")) >= 3 else None, timeout=20)
     assert rows["finished"] == "finished" and rows["broken"] == "failed"
-    assert rows["alpha"] in ("running", "stopped")
+    assert rows["alpha"] in ("running", "crashed")
     thumbnail = browser.find_element("css selector", "tr[data-run=finished] img.thumb")
     wait_for("the thumbnail to load", lambda: browser.execute_script("return arguments[0].naturalWidth", thumbnail) > 0,
              timeout=10)
@@ -379,11 +409,11 @@ def test_browser_runs_page_lists_the_runs(world, browser):
 
 
 def test_browser_curve_grows_while_the_run_logs(world, browser):
-    world.alpha_running()
-    if world.status("alpha").state != "running":
-        pytest.skip("alpha was stopped by an earlier test")
-    browser.get(world.url + "#/run/alpha")
-    line = 'polyline.smooth[data-run="alpha"][data-series="loss"]'
+    world.beta_running()
+    if world.status("beta").state != "running":
+        pytest.skip("beta was stopped by an earlier test")
+    browser.get(world.url + "#/run/beta")
+    line = 'polyline.smooth[data-run="beta"][data-series="loss"]'
 
     def points() -> int:
         found = browser.find_elements("css selector", line)
@@ -395,7 +425,6 @@ def test_browser_curve_grows_while_the_run_logs(world, browser):
     assert len(ticks) >= 2  # the value axis is labelled
     browser.execute_script("document.getElementById('log-scale').click()")
     assert browser.find_elements("css selector", '[data-chart="loss"] h3 small')[0].text.endswith("log scale)")
-    screenshot(browser, "ui_run.png")
 
 
 def test_browser_shows_a_typo_by_key(world, browser):
@@ -409,30 +438,51 @@ def test_browser_shows_a_typo_by_key(world, browser):
     assert "did you mean 'lr'" in item.text
 
 
-def test_browser_stop_button_stops_the_running_job(world, browser):
-    world.restarted()
-    if world.status("alpha").state != "running":
-        pytest.skip("alpha was stopped by an earlier test")
-    browser.get(world.url + "#/run/alpha")
-    button = wait_for("the stop button to be enabled", lambda: [b for b in browser.find_elements("id", "control-stop")
-                                                                  if b.is_enabled()], timeout=20)[0]
-    button.click()
-    wait_for("alpha to stop", lambda: world.status("alpha").state == "stopped", timeout=120)
+def test_browser_report_reads_on_a_phone_and_needs_no_other_file(world, browser):
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                            {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": True})
+    try:
+        browser.get(world.url + "runs/finished/files/report.html")
+        wait_for("the report's charts", lambda: browser.find_elements("css selector", "svg"), timeout=10)
+        page_width, view_width, widest_chart = browser.execute_script(
+            "return [document.documentElement.scrollWidth, window.innerWidth,"
+            " Math.max(...[...document.querySelectorAll('svg')].map(s => s.getBoundingClientRect().right))]")
+        assert page_width <= view_width == 390 and widest_chart <= view_width  # no sideways scroll
+        sources = browser.execute_script("return [...document.querySelectorAll('img, video')].map(e => e.src)")
+        assert len(sources) == 4 and all(source.startswith("data:") for source in sources)
+        loaded = browser.execute_script("return [...document.images].every(i => i.complete && i.naturalWidth > 0)")
+        assert loaded
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+def test_browser_save_and_stop_buttons_act_on_the_running_job(world, browser):
+    world.beta_running()
+    if world.status("beta").state != "running":
+        pytest.skip("beta was stopped by an earlier test")
+    browser.get(world.url + "#/run/beta")
+    enabled = lambda name: [b for b in browser.find_elements("id", f"control-{name}") if b.is_enabled()]
+    wait_for("the save button to be enabled", lambda: enabled("save"), timeout=20)[0].click()
+    wait_for("beta's checkpoint", lambda: list((world.root / "beta" / "checkpoints").glob("step_*/train_state.json")),
+             timeout=60)
+    if SCREENSHOTS:  # the docs' run page: a sample, and alpha's curves overlaid
+        enabled("sample")[0].click()
+        wait_for("beta's sample", lambda: list((world.root / "beta" / "samples").glob("step_*_0.png")), timeout=60)
+        browser.get(world.url + "#/run/beta?with=alpha")
+        wait_for("the sample strip", lambda: browser.find_elements("css selector", "#sample-strip img"), timeout=20)
+        time.sleep(1.0)
+        screenshot(browser, "ui_run.png")
+    enabled("stop")[0].click()
+    wait_for("beta to stop", lambda: world.status("beta").state == "stopped", timeout=120)
     wait_for("the page to say so", lambda: browser.find_elements("css selector", '#run-state [data-state="stopped"]'),
              timeout=10)
+    assert not enabled("stop")  # nothing to stop any more
 
 
-def test_the_next_job_starts_when_the_running_one_stops_and_a_killed_run_is_crashed(world):
-    world.beta_killed()
-    assert world.status("alpha").state == "stopped" and world.job("alpha")["state"] == "stopped"
-    beta = world.job("beta")
-    assert beta["state"] == "crashed" and beta["returncode"] == -signal.SIGKILL
-    assert world.job("gamma")["state"] == "cancelled" and world.status("gamma") is None  # never started
-    runs = {run["name"]: run for run in world.client.get("/api/runs")[1]["runs"]}
-    assert runs["beta"]["state"] == "crashed" and runs["beta"]["note"].startswith("nothing saved yet")
-    assert runs["alpha"]["state"] == "stopped"
-    assert [job["id"] for job in world.client.get("/api/jobs")[1]["jobs"]] == [world.jobs[n] for n in
-                                                                               ("alpha", "beta", "gamma")]
-    said = subprocess.run([sys.executable, str(REPO / "run.py"), "--status", str(world.root / "beta")],
-                          capture_output=True, text=True).stdout
-    assert "crashed, nothing saved yet" in said
+def test_the_queue_ends_in_order_with_each_job_as_its_run_ended(world):
+    world.beta_stopped()
+    states = [(job["id"], job["state"]) for job in world.client.get("/api/jobs")[1]["jobs"]]
+    assert states == [(world.jobs["alpha"], "crashed"), (world.jobs["beta"], "stopped"),
+                      (world.jobs["gamma"], "cancelled")]
+    assert world.status("gamma") is None  # never started
+    assert world.client.request("DELETE", f"/api/jobs/{world.jobs['beta']}")[0] == 409  # only queued jobs cancel

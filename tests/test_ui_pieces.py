@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +53,80 @@ def test_config_errors_become_problems_by_key(tmp_path):
         {"key": "config.process[0].datasets", "message": "required key is missing"}]
     assert problems_of(ConfigError(f"{shown}: cannot parse: bad"), shown, "job.yaml") == [
         {"key": "", "message": "job.yaml: cannot parse: bad"}]
+
+
+FAKE_RUN = """
+import json, os, sys, time
+from pathlib import Path
+job = Path(sys.argv[-1])
+Path(str(job) + ".seen").write_text(json.dumps({"argv": sys.argv, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+while not Path(str(job) + ".release").exists():
+    time.sleep(0.02)
+"""
+
+
+def test_queued_jobs_run_in_order_one_per_gpu_set(tmp_path, registry):
+    """The scheduling alone, with a stand-in for run.py: two GPU sets run two jobs at once, each with its
+    CUDA_VISIBLE_DEVICES; the third starts when a set is free; a set of several devices goes through accelerate."""
+    import sys
+    import time
+
+    import yaml
+    from helpers import REPO, trainer_process
+
+    from toolkit.ui.jobs import JobQueue
+
+    fake = tmp_path / "fake_run.py"
+    fake.write_text(FAKE_RUN)
+    queue = JobQueue(tmp_path / "out", registry, REPO / "config", [sys.executable, str(fake)], cwd=tmp_path,
+                     gpu_sets=["0", "1"])
+    jobs = []
+    for name in ("a", "b", "c"):
+        text = yaml.safe_dump({"config": {"name": name, "process": [trainer_process(tmp_path / "out")]}})
+        job, problems = queue.submit(text)
+        assert problems == []
+        jobs.append(job)
+
+    def seen(job):
+        path = Path(str(queue.job_file(job)) + ".seen")
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def wait(check):
+        deadline = time.monotonic() + 30
+        while not check():
+            assert time.monotonic() < deadline
+            queue.tick()
+            time.sleep(0.05)
+
+    queue.tick()
+    wait(lambda: seen(jobs[0]) and seen(jobs[1]))
+    assert [seen(j)["gpus"] for j in jobs[:2]] == ["0", "1"] and seen(jobs[1])["argv"][1] == "--quiet"
+    assert [j.state for j in queue.jobs()] == ["running", "running", "queued"]
+    Path(str(queue.job_file(jobs[1])) + ".release").write_text("")
+    wait(lambda: seen(jobs[2]))
+    assert seen(jobs[2])["gpus"] == "1"  # the set job b left
+    states = [j.state for j in queue.jobs()]
+    assert states[0] == "running" and states[1] == "failed" and states[2] == "running"  # b never began its run
+    for job in (jobs[0], jobs[2]):
+        Path(str(queue.job_file(job)) + ".release").write_text("")
+    wait(lambda: all(j.state != "running" for j in queue.jobs()))
+    command, env = queue.command(jobs[0], "2,3")
+    assert command[1:7] == ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", str(fake)]
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_an_exited_process_not_yet_reaped_is_not_alive():
+    import subprocess
+    import sys
+    import time
+
+    from toolkit.run.control import process_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child.pid}/stat").read_text().split(")")[-1].split()[0] != "Z":  # exited, not reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not process_alive(child.pid)
+    child.wait()
+    assert not process_alive(child.pid) and process_alive(os.getpid())

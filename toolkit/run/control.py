@@ -85,13 +85,18 @@ def read_status(run_dir: Path) -> Status | None:
 
 
 def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs; one that has exited but was not yet reaped by its parent (a zombie) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
+        pass
+    try:  # Linux: the state letter follows the command name in parentheses
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return True
-    return True
+    return stat[stat.rfind(")") + 2:][:1] != "Z"
 
 
 @dataclass(frozen=True)

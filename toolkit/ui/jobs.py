@@ -228,7 +228,9 @@ class JobQueue:
                     break  # the queue keeps its order: nothing overtakes a waiting job
                 self.start(job, free.pop(0))
 
-    def start(self, job: Job, gpus: str | None) -> None:
+    def command(self, job: Job, gpus: str | None) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment of a job on GPU set `gpus` (None: the devices this dashboard sees): one
+        `run.py` process, or `accelerate launch` with one process per device of a set of several."""
         env = dict(os.environ)
         command = [*self.launcher, "--quiet", str(self.job_file(job))]
         devices = [d for d in (gpus or "").split(",") if d.strip()]
@@ -237,6 +239,10 @@ class JobQueue:
         if len(devices) > 1:
             command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                        str(len(devices)), *self.launcher[1:], "--quiet", str(self.job_file(job))]
+        return command, env
+
+    def start(self, job: Job, gpus: str | None) -> None:
+        command, env = self.command(job, gpus)
         with (self.folder / f"{job.id}.log").open("ab") as log_file:
             child = subprocess.Popen(command, cwd=job.cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -16,7 +16,7 @@ from toolkit.run.report import PLAN_FILE, SAMPLE_NAME, sample_prompt
 #: run folders are found this deep under the training folder (a job's training_folder may be a subfolder of it)
 MAX_DEPTH = 3
 #: run names in URLs: the folder's path under the training folder, `/`-separated
-RUN_NAME = re.compile(r"^[^/\\\x00]+(/[^/\\\x00]+){0,%d}$" % (MAX_DEPTH - 1))
+RUN_NAME = re.compile(rf"^[^/\\\x00]+(/[^/\\\x00]+){{0,{MAX_DEPTH - 1}}}$")
 
 
 class UnknownRun(LookupError):

@@ -93,7 +93,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+    def log_message(self, format: str, *args) -> None:
         log.debug("ui %s " + format, self.address_string(), *args)
 
     def do_GET(self) -> None:

@@ -350,6 +350,19 @@ function niceTicks(low, high, count = 5) {
   return ticks;
 }
 
+function tickLabels(ticks, log) {
+  // one notation for an axis: as many decimals (or exponent digits) as the tick spacing needs
+  if (log || ticks.length < 2) return ticks.map(formatNumber);
+  const step = Math.abs(ticks[1] - ticks[0]);
+  const largest = Math.max(...ticks.map(Math.abs));
+  const stepPower = Math.floor(Math.log10(step));
+  if (largest !== 0 && (largest < 1e-3 || largest >= 1e5)) {
+    const digits = Math.max(0, Math.floor(Math.log10(largest)) - stepPower);
+    return ticks.map((t) => (t === 0 ? '0' : t.toExponential(digits)));
+  }
+  return ticks.map((t) => t.toFixed(Math.max(0, -stepPower)));
+}
+
 function valueRange(values, log) {
   let low = Math.min(...values), high = Math.max(...values);
   if (log) { low = Math.log10(low); high = Math.log10(high); }
@@ -393,13 +406,14 @@ function chart(name, runs) {
   const y = (value) => T + (1 - ((page.log ? Math.log10(value) : value) - v0) / (v1 - v0)) * (H - T - B);
   const grid = svg('g', { class: 'grid' });
   const axis = svg('g', { class: 'axis' });
-  const yTicks = page.log ? niceTicks(v0, v1, 4).map((t) => Math.pow(10, t)) : niceTicks(v0, v1, 4);
-  for (const tick of yTicks) {
+  const yTicks = (page.log ? niceTicks(v0, v1, 4).map((t) => Math.pow(10, t)) : niceTicks(v0, v1, 4))
+    .filter((tick) => y(tick) >= T - 0.5 && y(tick) <= H - B + 0.5);
+  const yLabels = tickLabels(yTicks, page.log);
+  yTicks.forEach((tick, i) => {
     const ty = y(tick);
-    if (ty < T - 0.5 || ty > H - B + 0.5) continue;
     grid.append(svg('line', { x1: L, x2: W - R, y1: ty, y2: ty }));
-    axis.append(Object.assign(svg('text', { x: L - 6, y: ty + 3, 'text-anchor': 'end', 'data-tick': 'y' }), { textContent: formatNumber(tick) }));
-  }
+    axis.append(Object.assign(svg('text', { x: L - 6, y: ty + 3, 'text-anchor': 'end', 'data-tick': 'y' }), { textContent: yLabels[i] }));
+  });
   const xTicks = niceTicks(s0, s1, 5).filter((t) => Number.isInteger(t) || s1 - s0 < 5);
   for (const tick of xTicks) {
     const tx = x(tick);
