@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -331,27 +332,50 @@ def test_a_job_cannot_write_outside_the_training_folder_unless_allowed(world, tm
 
 
 def test_token_host_and_write_header_rules(world):
-    token_server = Dashboard(world.root, None, "127.0.0.1", 0, token="s3cret")
+    token = "s3cret-token-0123456789"
+    token_server = Dashboard(world.root, None, "127.0.0.1", 0, token=token)
     token_server.serve_in_thread()
     try:
         port = token_server.server_address[1]
-        anonymous, holder = Client(port), Client(port, token="s3cret")
+        anonymous, holder = Client(port), Client(port, token=token)
         for path in ("/", "/static/app.js", "/api/runs", "/runs/finished/files/metrics.jsonl"):
             assert anonymous.get(path)[0] == 401, path
             assert holder.get(path)[0] == 200, path
         assert Client(port, token="wrong").get("/api/runs")[0] == 401
-        status, _, response = anonymous.request("GET", "/?token=s3cret")
+        assert Client(port, token="s3cret-tökén-0123456789").get("/api/runs")[0] == 401  # not a 500
+        status, _, response = anonymous.request("GET", f"/?token={token}")
         cookie = response.getheader("Set-Cookie")
-        assert status == 200 and cookie.startswith("difftune_token=s3cret") and "HttpOnly" in cookie
-        assert anonymous.get("/api/runs", headers={"Cookie": "difftune_token=s3cret"})[0] == 200
+        assert status == 200 and cookie.startswith(f"difftune_token_{port}={token};") and "HttpOnly" in cookie
+        # read among other applications' cookies of this host, one of them unparseable
+        cookies = f'theme=dark mode; other={{"a": 1}}; difftune_token_{port}={token}'
+        assert anonymous.get("/api/runs", headers={"Cookie": cookies})[0] == 200
+        assert anonymous.get("/api/runs", headers={"Cookie": f"difftune_token_1={token}"})[0] == 401  # another port's
     finally:
         token_server.shutdown()
         token_server.server_close()
     with pytest.raises(ValueError, match="token"):
         Dashboard(world.root, None, "0.0.0.0", 0)
+    with pytest.raises(ValueError, match="16 characters"):
+        Dashboard(world.root, None, "127.0.0.1", 0, token="short; Path=/")
     client = world.client
     assert client.get("/api/runs", headers={"Host": "evil.example:80"})[0] == 421  # DNS rebinding
     assert client.request("POST", "/api/runs/finished/control/stop", headers={"X-Difftune": "0"})[0] == 403
+
+
+def test_a_refused_request_never_smuggles_its_body_in_as_a_next_request(world):
+    """A page elsewhere may POST any text without the write header: the refusal ends the connection, so a request
+    hidden in the body is never read as a request."""
+    hidden = ("POST /api/runs/finished/control/sample HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Difftune: 1\r\n"
+              "Content-Length: 0\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", world.server.server_address[1]), timeout=10) as connection:
+        request = (f"POST /api/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
+                   f"Content-Length: {len(hidden)}\r\n\r\n{hidden}")
+        connection.sendall(request.encode())
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 403") and answer.count(b"HTTP/1.1 ") == 1  # one answer, then closed
+    assert b"Connection: close" in answer
 
 
 def test_a_non_loopback_dashboard_prints_a_generated_token(tmp_path):

@@ -130,3 +130,118 @@ def test_an_exited_process_not_yet_reaped_is_not_alive():
     assert not process_alive(child.pid)
     child.wait()
     assert not process_alive(child.pid) and process_alive(os.getpid())
+
+
+def fake_queue(tmp_path, registry, gpu_sets=None, cwd=None):
+    import sys
+
+    from helpers import REPO
+
+    from toolkit.ui.jobs import JobQueue
+
+    fake = tmp_path / "fake_run.py"
+    fake.write_text(FAKE_RUN)
+    return JobQueue(tmp_path / "out", registry, REPO / "config", [sys.executable, str(fake)], cwd=cwd or tmp_path,
+                    gpu_sets=gpu_sets)
+
+
+def job_yaml(tmp_path, name: str, processes: int = 1) -> str:
+    import yaml
+    from helpers import trainer_process
+
+    return yaml.safe_dump({"config": {"name": name, "process": [trainer_process(tmp_path / "out")
+                                                               for _ in range(processes)]}})
+
+
+def release_all(queue) -> None:
+    for job in queue.jobs():
+        Path(str(queue.job_file(job)) + ".release").write_text("")
+
+
+def test_two_jobs_of_one_run_folder_never_run_at_once(tmp_path, registry):
+    import time
+
+    queue = fake_queue(tmp_path, registry, gpu_sets=["0", "1"])
+    first, _ = queue.submit(job_yaml(tmp_path, "same"))
+    second, _ = queue.submit(job_yaml(tmp_path, "same"))
+    try:
+        queue.tick()
+        time.sleep(0.2)
+        queue.tick()
+        jobs = queue.jobs()
+        assert [j.state for j in jobs] == ["running", "queued"]  # a GPU set is free, the folder is not
+        assert jobs[1].note == f"waiting: job {first.id} trains in its run folder"
+    finally:
+        release_all(queue)
+
+
+def test_a_job_left_starting_is_adopted_or_failed_never_started_again(tmp_path, registry):
+    import subprocess
+    import sys
+    import time
+
+    queue = fake_queue(tmp_path, registry)
+    lost, _ = queue.submit(job_yaml(tmp_path, "lost"))
+    begun, _ = queue.submit(job_yaml(tmp_path, "begun"))
+    for job in (lost, begun):  # as a dashboard that ended between saving `starting` and saving the pid leaves them
+        job.state, job.started_at = "starting", time.time()
+        queue.save(job)
+    process = subprocess.Popen([sys.executable, str(tmp_path / "fake_run.py"), "--quiet", str(queue.job_file(begun))])
+    try:
+        queue.tick()
+        states = {job.name: job for job in queue.jobs()}
+        assert states["lost"].state == "failed" and "ended while starting" in states["lost"].note
+        assert states["begun"].state == "running" and states["begun"].pid == process.pid
+        assert not Path(str(queue.job_file(lost)) + ".seen").exists()  # not started again
+    finally:
+        release_all(queue)
+        process.wait(timeout=30)
+
+
+def test_a_job_whose_process_cannot_start_fails_and_the_queue_goes_on(tmp_path, registry):
+    import time
+
+    queue = fake_queue(tmp_path, registry, cwd=tmp_path / "gone")
+    (tmp_path / "gone").mkdir()
+    broken, _ = queue.submit(job_yaml(tmp_path, "broken"))
+    (tmp_path / "gone").rmdir()  # its working folder is gone by the time it starts
+    queue.tick()
+    job = queue.job(broken.id)
+    assert job.state == "failed" and job.note.startswith("could not start")
+    time.sleep(0.05)
+    queue.tick()  # and nothing is retried
+    assert queue.job(broken.id).state == "failed"
+
+
+def test_the_queue_refuses_what_run_py_would_take_from_its_own_user(tmp_path, registry):
+    queue = fake_queue(tmp_path, registry)
+    with_env = job_yaml(tmp_path, "env").replace("name: env", "name: ${HOME}")
+    _, problems = queue.submit(with_env)
+    assert "${HOME}" in problems[0]["message"] and "environment" in problems[0]["message"]
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b, *b]\n"
+    _, problems = queue.submit(bomb)
+    assert "aliases" in problems[0]["message"]
+    _, problems = queue.submit(job_yaml(tmp_path, "two", processes=2))
+    assert problems[0]["key"] == "config.process" and "one process" in problems[0]["message"]
+    assert queue.jobs() == []
+
+
+def test_a_pid_taken_by_a_later_process_or_another_machine_is_told_apart(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from toolkit.run import control
+
+    # this process started after the run said it started: it only got the run's old pid
+    control.Status(state="running", pid=os.getpid(), started_at=time.time() - 10 * 24 * 3600).write(tmp_path)
+    assert control.run_state(tmp_path).state == "crashed"
+    control.Status(state="running", pid=os.getpid()).write(tmp_path)
+    assert control.run_state(tmp_path).state == "running"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    # a run on another machine sharing the folder: its pid means nothing here, it is not called crashed
+    control.Status(state="running", pid=gone.pid, host="another-machine").write(tmp_path)
+    assert control.run_state(tmp_path).state == "running"
+    (tmp_path / "status.json").write_text('{"state": "running", "pid": null, "step": 1}')
+    assert control.run_state(tmp_path).state == "unknown"  # a hand-edited file is not a status

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,6 +67,8 @@ class Status:
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)
     last_error: str | None = None
+    #: the machine the run's process runs on: its pid means nothing elsewhere (a run folder on shared storage)
+    host: str = field(default_factory=socket.gethostname)
 
     def write(self, run_dir: Path) -> None:
         self.updated_at = time.time()
@@ -79,9 +82,13 @@ def read_status(run_dir: Path) -> Status | None:
     if not path.is_file():
         return None
     try:
-        return Status(**json.loads(path.read_text(encoding="utf-8")))
+        status = Status(**json.loads(path.read_text(encoding="utf-8")))
     except (ValueError, TypeError):
         return None
+    numbers = (status.pid, status.step, status.total, status.updated_at, status.started_at)
+    if not isinstance(status.state, str) or not all(isinstance(n, (int, float)) for n in numbers):
+        return None
+    return status
 
 
 def process_alive(pid: int) -> bool:
@@ -118,13 +125,34 @@ class RunState:
         return f"its process is gone without saying why; the same command resumes from {self.checkpoint.name}"
 
 
+def process_started_at(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), where the process table says (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def runs_here(status: Status) -> bool:
+    """Whether the process status.json names is alive and is the run's: on this machine, and started before the
+    run said it started (a later process that got the same pid is not the run)."""
+    if not process_alive(status.pid):
+        return False
+    started = process_started_at(status.pid)
+    return started is None or started <= status.started_at + 2.0  # the clock ticks of /proc are coarse
+
+
 def run_state(run_dir: Path) -> RunState:
-    """The folder's state from its files alone: a `running` run whose process is gone is `crashed`."""
+    """The folder's state from its files alone: a `running` run whose process is gone is `crashed` (a run on
+    another machine, which this one cannot see, stays `running`)."""
     status = read_status(run_dir)
     if status is None:
         return RunState("unknown", None, None)
     state = status.state
-    if state == "running" and not process_alive(status.pid):
+    if state == "running" and status.host == socket.gethostname() and not runs_here(status):
         state = "crashed"
     complete, _ = scan_checkpoints(run_dir / "checkpoints")
     return RunState(state, status, complete[-1] if complete else None)

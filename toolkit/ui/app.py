@@ -22,14 +22,32 @@ def build_dashboard(root: Path, registry, config_root: Path, run_py: Path, host:
     return Dashboard(root, queue, host, port, token), QueueRunner(queue)
 
 
+def gpu_set_problem(gpu_sets: list[str]) -> str | None:
+    """Why `--gpus` sets cannot be used (empty, or sharing a device), or None."""
+    seen: dict[str, str] = {}
+    for gpus in gpu_sets:
+        devices = [d.strip() for d in gpus.split(",")]
+        if not all(devices):
+            return f"--gpus {gpus!r}: give device ids separated by commas, e.g. 0,1"
+        for device in devices:
+            if device in seen:
+                return f"--gpus {seen[device]!r} and {gpus!r} share device {device}: each set is a job's own"
+            seen[device] = gpus
+    return None
+
+
 def serve(root: Path, registry, config_root: Path, run_py: Path, host: str, port: int, token: str | None,
           allow_outside: bool, gpu_sets: list[str] | None) -> int:
     if not is_loopback(host) and not token:
         token = new_token()
+    problem = gpu_set_problem(gpu_sets or [])
+    if problem:
+        log.error("%s", problem)
+        return 2
     try:
         dashboard, runner = build_dashboard(root, registry, config_root, run_py, host, port, token, allow_outside,
                                             gpu_sets)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         log.error("cannot serve the dashboard on %s:%d: %s", host, port, err)
         return 2
     dashboard.queue_running = runner.start()

@@ -24,7 +24,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from toolkit.config.loader import ConfigError, check_paths, load_config
+import yaml
+
+from toolkit.config.loader import ENV_PATTERN, ConfigError, check_paths, load_config
 from toolkit.config.preflight import written_folders
 from toolkit.errors import UserError
 from toolkit.files import write_json_atomic, write_text_atomic
@@ -33,7 +35,8 @@ from toolkit.run.control import process_alive, run_state
 log = logging.getLogger("difftune")
 
 QUEUE_DIR = ".queue"
-JOB_STATES = ("queued", "running", "finished", "stopped", "failed", "crashed", "cancelled")
+#: "starting": saved just before its process is started, "running" once its pid is saved
+JOB_STATES = ("queued", "starting", "running", "finished", "stopped", "failed", "crashed", "cancelled")
 #: a job's id: its submission number, then its run name (for people reading the folder)
 JOB_ID = re.compile(r"^(\d{6})-[A-Za-z0-9_-]{0,64}$")
 #: a submitted job file larger than this is refused (a job file is a few kilobytes)
@@ -105,6 +108,9 @@ class JobQueue:
         where it would write checked against the training folder. Nothing is started."""
         if len(text.encode("utf-8")) > MAX_JOB_BYTES:
             return None, [{"key": "", "message": f"{given_name}: larger than {MAX_JOB_BYTES} bytes"}]
+        refused = foreign_input_problems(text, given_name)
+        if refused:
+            return None, refused
         suffix = ".json" if given_name.lower().endswith(".json") else ".yaml"
         self.folder.mkdir(parents=True, exist_ok=True)
         probe = self.folder / f".incoming-{os.getpid()}-{threading.get_ident()}{suffix}"
@@ -116,12 +122,17 @@ class JobQueue:
             return None, problems_of(err, probe, given_name)
         finally:
             probe.unlink(missing_ok=True)
-        return config, self.outside_problems(config)
+        return config, self.queue_problems(config)
 
-    def outside_problems(self, config) -> list[dict[str, str]]:
-        if self.allow_outside:
-            return []
+    def queue_problems(self, config) -> list[dict[str, str]]:
+        """What the queue adds to run.py's checks: one process per job, and (unless `allow_outside`) nothing
+        written outside the training folder."""
         problems = []
+        if len(config.config.process) > 1:
+            problems.append({"key": "config.process", "message": "the dashboard's queue runs jobs of one process "
+                             "(it follows one run folder); run this job with run.py, or split it"})
+        if self.allow_outside:
+            return problems
         for index, process in enumerate(config.config.process):
             for key, folder in written_folders(process):
                 where = (self.cwd / folder).resolve()
@@ -208,25 +219,38 @@ class JobQueue:
     # ---- running ---------------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """One pass: note the jobs that ended, then start queued ones, in order, while a GPU set is free."""
+        """One pass: note the jobs that ended, then start queued ones, in order, while a GPU set is free. A job
+        whose run folder is in use (by a job of this queue, or a run started elsewhere) waits, and nothing overtakes
+        it."""
         with self.lock:
             jobs = self.jobs()
             for job in jobs:
+                if job.state == "starting":
+                    self.check_starting(job)
                 if job.state == "running":
                     self.check_running(job)
-            busy = {job.gpus for job in jobs if job.state == "running"}
+            running = [job for job in jobs if job.state == "running"]
+            busy = {job.gpus for job in running}
             free = [gpus for gpus in self.gpu_sets if gpus not in busy]
+            folders = {job.run_folder: job.id for job in running}
             for job in (j for j in jobs if j.state == "queued"):
                 if not free:
                     break
                 in_use = run_state(Path(job.run_folder))
-                if in_use.state == "running":  # started outside the queue (another terminal): wait for it
-                    note = f"waiting: its run folder is in use by process {in_use.status.pid}"
-                    if job.note != note:
-                        job.note = note
-                        self.save(job)
-                    break  # the queue keeps its order: nothing overtakes a waiting job
-                self.start(job, free.pop(0))
+                if job.run_folder in folders:
+                    self.wait(job, f"waiting: job {folders[job.run_folder]} trains in its run folder")
+                    break
+                if in_use.state == "running":  # started outside the queue (another terminal)
+                    self.wait(job, f"waiting: its run folder is in use by process {in_use.status.pid}")
+                    break
+                if self.start(job, free[0]):
+                    folders[job.run_folder] = job.id
+                    free.pop(0)
+
+    def wait(self, job: Job, note: str) -> None:
+        if job.note != note:
+            job.note = note
+            self.save(job)
 
     def command(self, job: Job, gpus: str | None) -> tuple[list[str], dict[str, str]]:
         """The command line and environment of a job on GPU set `gpus` (None: the devices this dashboard sees): one
@@ -241,15 +265,38 @@ class JobQueue:
                        str(len(devices)), *self.launcher[1:], "--quiet", str(self.job_file(job))]
         return command, env
 
-    def start(self, job: Job, gpus: str | None) -> None:
+    def start(self, job: Job, gpus: str | None) -> bool:
+        """Start the job's process. Its state says `starting` before the process exists and `running` with its pid
+        after: a dashboard that ends in between leaves `starting`, which the next one resolves by looking for the
+        process (`check_starting`), never by starting it again. A job whose process cannot be started fails."""
         command, env = self.command(job, gpus)
-        with (self.folder / f"{job.id}.log").open("ab") as log_file:
-            child = subprocess.Popen(command, cwd=job.cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        job.state, job.gpus, job.started_at, job.note = "starting", gpus, time.time(), ""
+        self.save(job)
+        try:
+            with (self.folder / f"{job.id}.log").open("ab") as log_file:
+                child = subprocess.Popen(command, cwd=job.cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as err:
+            job.state, job.ended_at, job.note = "failed", time.time(), f"could not start: {err}"
+            self.save(job)
+            log.error("job %s could not start: %s", job.id, err)
+            return False
         self.children[job.id] = child
-        job.state, job.pid, job.gpus, job.started_at, job.note = "running", child.pid, gpus, time.time(), ""
+        job.state, job.pid = "running", child.pid
         self.save(job)
         log.info("job %s started (pid %d%s)", job.id, child.pid, f", CUDA_VISIBLE_DEVICES={gpus}" if gpus else "")
+        return True
+
+    def check_starting(self, job: Job) -> None:
+        """A job left `starting` by a dashboard that ended while starting it: its process, if it began, is watched
+        by its pid; otherwise the job failed (it is not started again: it may have begun and ended meanwhile)."""
+        found = processes_running(self.job_file(job))
+        if found:
+            job.state, job.pid = "running", found[0]
+        else:
+            job.state, job.ended_at = "failed", time.time()
+            job.note = "the dashboard ended while starting it; queue it again to run it"
+        self.save(job)
 
     def check_running(self, job: Job) -> None:
         """A running job whose process is gone ends with its run's state (finished, stopped, failed, crashed)."""
@@ -260,7 +307,7 @@ class JobQueue:
                 return
             del self.children[job.id]
         else:  # started by an earlier dashboard: watched by its pid
-            if job.pid is not None and process_alive(job.pid) and runs_job(job.pid, job.id):
+            if job.pid is not None and process_alive(job.pid) and runs_job(job.pid, self.job_file(job)):
                 return
             returncode = None
         found = run_state(Path(job.run_folder))
@@ -268,24 +315,55 @@ class JobQueue:
         if started and found.state in ("finished", "stopped", "failed", "crashed"):
             job.state = found.state
         else:  # it ended before its run began (an error in the job file, a path gone since it was queued)
-            job.state = "finished" if returncode == 0 and started else "failed"
+            job.state = "failed"
+        if returncode and job.state in ("finished", "stopped"):  # the run ended well, its process did not
+            job.state, job.note = "failed", f"its process exited with code {returncode}"
         job.returncode, job.ended_at = returncode, time.time()
-        if job.state == "failed" and found.status is not None and started and found.status.last_error:
-            job.note = found.status.last_error
-        elif job.state == "failed":
-            job.note = last_error_line(self.log_tail(job, 8192))
+        if job.state == "failed" and not job.note:
+            if found.status is not None and started and found.status.last_error:
+                job.note = found.status.last_error
+            else:
+                job.note = last_error_line(self.log_tail(job, 8192))
         self.save(job)
         log.info("job %s %s", job.id, job.state)
 
 
-def runs_job(pid: int, job_id: str) -> bool:
-    """Whether process `pid` is the one running job `job_id` (not a later process that got its pid); where the
-    process table cannot be read, a live pid is taken for it."""
+def runs_job(pid: int, job_file: Path) -> bool:
+    """Whether process `pid` is one running `job_file` (not a later process that got its pid); where the process
+    table cannot be read, a live pid is taken for it."""
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return True
-    return job_id in command
+    return os.fsencode(str(job_file)) in arguments
+
+
+def processes_running(job_file: Path) -> list[int]:
+    """The processes whose command line names `job_file` (the launcher first: the lowest pid)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if process_alive(pid) and runs_job(pid, job_file):
+            found.append(pid)
+    return sorted(found)
+
+
+def foreign_input_problems(text: str, given_name: str) -> list[dict[str, str]]:
+    """What the queue refuses in a job file that `run.py` would take from its own user: `${VARIABLES}` (the job
+    would read the dashboard's environment, secrets included, into its outputs) and YAML aliases (a small file
+    that expands to an enormous one)."""
+    problems = []
+    names = sorted({m.group(1) for m in ENV_PATTERN.finditer(text)})
+    if names:
+        problems.append({"key": "", "message": f"{given_name}: ${{{names[0]}}}: a job queued in the dashboard cannot "
+                         "read the dashboard's environment variables; write the values themselves"})
+    try:
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            problems.append({"key": "", "message": f"{given_name}: YAML aliases (*name) are not accepted in the "
+                             "dashboard; write the repeated part out"})
+    except yaml.YAMLError:
+        pass  # the loader says what is wrong with it
+    return problems
 
 
 def last_error_line(log_text: str) -> str:

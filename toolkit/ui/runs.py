@@ -108,16 +108,20 @@ class RunReader:
     def names(self) -> list[str]:
         return find_runs(self.root)
 
-    def metrics(self, folder: Path) -> list[dict]:
+    def metrics(self, folder: Path) -> tuple[list[dict], str]:
+        """The run's metrics lines, and the identity of the file they came from (it changes when a resume rewrites
+        the file: a page that follows the run starts its curves again)."""
         with self._lock:
             tail = self._tails.setdefault(folder, MetricsTail())
-            return list(tail.read(folder / "metrics.jsonl"))
+            records = tail.read(folder / "metrics.jsonl")
+            identity = "" if tail.identity is None else f"{tail.identity[0]}:{tail.identity[1]}"
+            return [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)], identity
 
     def summary(self, name: str) -> dict:
         """One row of the runs page: state, step of total, last loss, speed, ETA, last sample."""
         folder = run_folder(self.root, name)
         found = run_state(folder)
-        records = self.metrics(folder)
+        records, _ = self.metrics(folder)
         status = found.status
         last = records[-1] if records else {}
         step = max(status.step if status else 0, last.get("step", 0))
@@ -147,9 +151,10 @@ class RunReader:
         """The run page's data: its summary, plan, resolved config, metrics lines after step `since` (all of them
         when `since` is None), and its samples."""
         folder = run_folder(self.root, name)
-        records = self.metrics(folder)
+        records, identity = self.metrics(folder)
         last_step = records[-1]["step"] if records else 0
         return {
+            "metrics_id": identity,
             "summary": self.summary(name),
             "plan": read_json(folder / PLAN_FILE),
             "config": read_text(folder / "config.yaml"),

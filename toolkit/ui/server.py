@@ -19,12 +19,13 @@ import ipaddress
 import json
 import logging
 import mimetypes
+import os
+import re
 import secrets
-import shutil
+import socket
 import threading
 from dataclasses import asdict
 from http import HTTPStatus
-from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -42,7 +43,8 @@ WRITE_HEADER = "X-Difftune"
 MAX_BODY = 1 << 20
 PAGE_POLICY = ("default-src 'self'; img-src 'self' data: blob:; media-src 'self' data: blob:; "
                "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'")
-#: run folders' HTML (report.html) is shown sandboxed: its scripts run, but not as the dashboard's origin
+#: every file of a run folder is served sandboxed: report.html's scripts run, but no file of a run folder (whatever its
+#: type) acts as the dashboard's origin
 RUN_FILE_POLICY = "sandbox allow-scripts; default-src 'self' data: 'unsafe-inline'"
 
 
@@ -68,18 +70,21 @@ class Dashboard(ThreadingHTTPServer):
                  token: str | None = None):
         if not is_loopback(host) and not token:
             raise ValueError("a dashboard on a non-loopback address needs a token")
+        if token is not None and not TOKEN_PATTERN.match(token):
+            raise ValueError("a token is at least 16 characters of A-Z, a-z, 0-9, '.', '_', '~' and '-'")
         self.root = root.resolve()
         self.reader = RunReader(self.root)
         self.queue = queue
         self.token = token
         self.queue_running = False
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), Handler)
         self.loopback = is_loopback(host)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}/"
+        return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
     def serve_in_thread(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="difftune-ui", daemon=True)
@@ -90,6 +95,8 @@ class Dashboard(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: Dashboard
     protocol_version = "HTTP/1.1"
+    #: an idle kept-alive connection is closed after this many seconds (it holds a thread)
+    timeout = 60
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
@@ -109,6 +116,10 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         parts = [unquote(p) for p in url.path.split("/")[1:]]
+        if method != "GET":
+            # a request with a body ends its connection: whatever of the body is not read (a refused request's) can
+            # never be taken for a next request on the same connection
+            self.close_connection = True
         try:
             if not self.host_allowed():
                 raise ApiError(HTTPStatus.MISDIRECTED_REQUEST, "this dashboard answers on its own address only")
@@ -117,6 +128,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(HTTPStatus.FORBIDDEN, f"a {method} request needs the header {WRITE_HEADER}: 1")
             self.route(method, parts, query, set_cookie)
         except ApiError as err:
+            self.close_connection = self.close_connection or method != "GET"
             self.send_json({"error": err.message, **err.extra}, err.status)
         except (BrokenPipeError, ConnectionResetError):
             pass
@@ -137,15 +149,19 @@ class Handler(BaseHTTPRequestHandler):
         if not token:
             return False
         given = self.headers.get("Authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip(), token):
+        if given.startswith("Bearer ") and same_token(given[7:].strip(), token):
             return False
-        cookie = SimpleCookie(self.headers.get("Cookie", ""))
-        if TOKEN_COOKIE in cookie and hmac.compare_digest(cookie[TOKEN_COOKIE].value, token):
+        if same_token(cookie_value(self.headers.get("Cookie", ""), self.cookie_name), token):
             return False
-        if hmac.compare_digest(query.get("token", [""])[0], token):
+        if same_token(query.get("token", [""])[0], token):
             return True
         raise ApiError(HTTPStatus.UNAUTHORIZED, "this dashboard needs its token (open the address it printed, "
                        "or send Authorization: Bearer TOKEN)")
+
+    @property
+    def cookie_name(self) -> str:
+        """The token's cookie, named per port: browsers share cookies across the ports of one host."""
+        return f"{TOKEN_COOKIE}_{self.server.server_address[1]}"
 
     def send_json(self, data, status: HTTPStatus = HTTPStatus.OK) -> None:
         body = json.dumps(data).encode("utf-8")
@@ -153,6 +169,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json; charset=utf-8")
         self.send_header("Cache-Control", "no-store")
         self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.send_common_headers()
         self.end_headers()
         self.wfile.write(body)
@@ -163,23 +181,44 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Referrer-Policy", "no-referrer")
 
     def send_file(self, path: Path, set_cookie: bool = False, policy: str = PAGE_POLICY) -> None:
+        """The file as it is when opened: exactly the bytes its size says then (a file that grows meanwhile, e.g.
+        metrics.jsonl, sends what it had)."""
         kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         if kind.startswith("text/") or kind in ("application/javascript", "application/json"):
             kind += "; charset=utf-8"
-        size = path.stat().st_size
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(size))
-        self.send_header("Cache-Control", "no-cache")
-        if set_cookie:
-            self.send_header("Set-Cookie", f"{TOKEN_COOKIE}={self.server.token}; HttpOnly; SameSite=Strict; Path=/")
-        self.send_common_headers(policy)
-        self.end_headers()
-        with path.open("rb") as handle:
-            shutil.copyfileobj(handle, self.wfile)
+        try:
+            handle = path.open("rb")
+        except OSError as err:
+            raise ApiError(HTTPStatus.NOT_FOUND, "no such file") from err
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(size))
+            self.send_header("Cache-Control", "no-cache")
+            if set_cookie:
+                self.send_header("Set-Cookie", f"{self.cookie_name}={self.server.token}; HttpOnly; SameSite=Strict; "
+                                 "Path=/")
+            self.send_common_headers(policy)
+            self.end_headers()
+            left = size
+            while left > 0:
+                chunk = handle.read(min(left, 1 << 20))
+                if not chunk:  # the file shrank: the client sees a short answer, the connection ends
+                    self.close_connection = True
+                    break
+                self.wfile.write(chunk)
+                left -= len(chunk)
 
     def body(self) -> str:
-        length = int(self.headers.get("Content-Length") or 0)
+        if self.headers.get("Transfer-Encoding"):
+            raise ApiError(HTTPStatus.NOT_IMPLEMENTED, "send the body with a Content-Length")
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError as err:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "Content-Length is not a number") from err
+        if length < 0:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "Content-Length is negative")
         if length > MAX_BODY:
             raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"a request body is at most {MAX_BODY} bytes")
         try:
@@ -226,6 +265,8 @@ class Handler(BaseHTTPRequestHandler):
                     raise ApiError(HTTPStatus.NOT_FOUND, f"no job {job_id!r}")
                 self.send_json({**asdict(job), "log": self.server.queue.log_tail(job)})
             case ("DELETE", ["api", "jobs", job_id]):
+                if not self.server.queue_running:
+                    raise ApiError(HTTPStatus.CONFLICT, "another dashboard runs this queue: cancel the job there")
                 try:
                     job = self.need_queue().cancel(job_id)
                 except KeyError as err:
@@ -237,10 +278,14 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(HTTPStatus.NOT_FOUND, f"no {method} {urlsplit(self.path).path}")
 
     def summary(self, name: str) -> dict:
+        """One run's row; a run folder that cannot be read (removed meanwhile, unreadable, a hand-edited file) is
+        listed as unknown with the reason, never the end of the list."""
         try:
             return self.server.reader.summary(name)
-        except UnknownRun:  # removed between listing and reading
-            return {"name": name, "state": "unknown"}
+        except UnknownRun:
+            return {"name": name, "state": "unknown", "note": "no longer a run folder"}
+        except Exception as err:  # noqa: BLE001
+            return {"name": name, "state": "unknown", "note": f"cannot read it: {type(err).__name__}: {err}"}
 
     def run_file(self, name: str, relative: str) -> None:
         try:
@@ -250,8 +295,7 @@ class Handler(BaseHTTPRequestHandler):
         path = inside(folder, relative)
         if path is None:
             raise ApiError(HTTPStatus.NOT_FOUND, "no such file")
-        self.send_file(path, policy=RUN_FILE_POLICY if path.suffix.lower() in (".html", ".htm", ".svg")
-                       else PAGE_POLICY)
+        self.send_file(path, policy=RUN_FILE_POLICY)
 
     def control(self, name: str, action: str) -> None:
         try:
@@ -283,5 +327,23 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json({"job": asdict(job)}, HTTPStatus.CREATED)
 
 
+#: what a token may hold: it travels in a header, a cookie and an address
+TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{16,}$")
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(24)
+
+
+def same_token(given: str, token: str) -> bool:
+    return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
+
+
+def cookie_value(header: str, name: str) -> str:
+    """A cookie's value, read by hand: one unreadable cookie of another application on this host must not hide
+    it (http.cookies stops at the first one it cannot parse)."""
+    for part in header.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value.strip().strip('"')
+    return ""

@@ -11,6 +11,7 @@ const view = document.getElementById('view');
 const tooltip = document.getElementById('tooltip');
 let timer = null;       // the current page's poll
 let page = null;        // the current page's state
+let closeLightbox = null;
 
 // ---- helpers ---------------------------------------------------------------------------------------------------
 
@@ -19,7 +20,11 @@ async function api(path, options = {}) {
     ...options, credentials: 'same-origin', headers: { 'X-Difftune': '1', ...(options.headers || {}) },
   });
   const data = await response.json().catch(() => ({}));
-  setConnection(true);
+  if (response.status === 401) {
+    setConnection(false, 'this dashboard needs its token: open the address it printed');
+  } else {
+    setConnection(true);
+  }
   if (!response.ok) {
     const error = new Error(data.error || `${response.status} ${response.statusText}`);
     error.status = response.status;
@@ -29,9 +34,9 @@ async function api(path, options = {}) {
   return data;
 }
 
-function setConnection(ok) {
+function setConnection(ok, why = 'dashboard not reachable') {
   const el = document.getElementById('connection');
-  el.textContent = ok ? `updated ${new Date().toLocaleTimeString()}` : 'dashboard not reachable';
+  el.textContent = ok ? `updated ${new Date().toLocaleTimeString()}` : why;
   el.classList.toggle('lost', !ok);
 }
 
@@ -78,10 +83,15 @@ function stateBadge(state, note) {
   return el('span', { class: `state state-${state}`, title: note || null, 'data-state': state }, state);
 }
 
+function video(attrs) {
+  // `muted` as a property too: browsers autoplay only muted videos, and the attribute alone does not set it
+  const node = el('video', { autoplay: true, loop: true, muted: true, playsinline: true, ...attrs });
+  node.muted = true;
+  return node;
+}
+
 function sampleMedia(sample, attrs = {}) {
-  if (sample.kind === 'video') {
-    return el('video', { src: sample.url, autoplay: true, loop: true, muted: true, playsinline: true, ...attrs });
-  }
+  if (sample.kind === 'video') return video({ src: sample.url, ...attrs });
   return el('img', { src: sample.url, alt: sample.prompt, loading: 'lazy', ...attrs });
 }
 
@@ -95,6 +105,7 @@ function unitOf(name) {
 // ---- routing ---------------------------------------------------------------------------------------------------
 
 function route() {
+  if (closeLightbox) closeLightbox();
   clearTimeout(timer);
   timer = null;
   page = null;
@@ -169,7 +180,7 @@ function runRow(run, thumbs) {
   });
   const fraction = run.total ? Math.min(run.step / run.total, 1) : 0;
   const thumb = run.thumbnail && thumbs.has(run.thumbnail) ? thumbs.get(run.thumbnail) : run.thumbnail
-    ? (run.thumbnail.endsWith('.mp4') ? el('video', { class: 'thumb', src: run.thumbnail, muted: true, autoplay: true, loop: true, playsinline: true })
+    ? (run.thumbnail.endsWith('.mp4') ? video({ class: 'thumb', src: run.thumbnail })
       : el('img', { class: 'thumb', src: run.thumbnail, alt: 'last sample' }))
     : el('span', { class: 'thumb' });
   const speed = run.seconds_per_update ? `${formatNumber(run.seconds_per_update)} s/update` : '–';
@@ -194,7 +205,7 @@ function showRun(name, others) {
     kind: 'run', name, others, runs: new Map(), smoothing: 0.6, log: false, zoom: null, sampleStep: null,
     samplesKey: '', summary: null, allRuns: [],
   };
-  for (const run of [name, ...others]) page.runs.set(run, { records: [], last: null });
+  for (const run of [name, ...others]) page.runs.set(run, { records: [], last: null, id: null });
   const message = el('div', { class: 'message', id: 'control-message' });
   const buttons = ['sample', 'save', 'stop'].map((action) => el('button', {
     type: 'button', id: `control-${action}`, class: action === 'stop' ? 'danger' : null, disabled: true,
@@ -237,20 +248,22 @@ async function refreshRun() {
     const since = held.last === null ? '' : `?since=${held.last}`;
     const data = await api(runPath(run) + since);
     if (current !== page) return;
-    if (held.last !== null && data.last_step < held.last) {  // the run was continued from an older checkpoint
+    if (held.last !== null && (data.metrics_id !== held.id || data.last_step < held.last)) {
+      // metrics.jsonl was rewritten (a run continued from an older checkpoint cuts it back): start again
       held.records = [];
       held.last = null;
+      held.id = null;
       changed = true;
       continue;
     }
-    if (data.metrics.length) {
-      held.records.push(...data.metrics);
-      changed = true;
-    }
+    held.id = data.metrics_id;
+    for (const record of data.metrics) held.records.push(record);
+    if (data.metrics.length) changed = true;
     held.last = data.last_step;
     if (run === current.name) showRunDetail(data);
   }
-  if (changed) drawCharts();
+  if (changed && !page.dragging) drawCharts();
+  else if (changed) page.redrawAfterDrag = true;
 }
 
 function showRunDetail(data) {
@@ -317,7 +330,7 @@ function seriesNames() {
       }
     }
   }
-  return names.sort((a, b) => (b.startsWith('loss') - a.startsWith('loss')) || names.indexOf(a) - names.indexOf(b));
+  return names.sort((a, b) => b.startsWith('loss') - a.startsWith('loss'));  // stable: first seen first
 }
 
 function pointsOf(records, name) {
@@ -363,8 +376,18 @@ function tickLabels(ticks, log) {
   return ticks.map((t) => t.toFixed(Math.max(0, -stepPower)));
 }
 
+function extent(values) {
+  // a loop, not Math.min(...values): spreading a long run's values overflows the call stack
+  let low = Infinity, high = -Infinity;
+  for (const value of values) {
+    if (value < low) low = value;
+    if (value > high) high = value;
+  }
+  return [low, high];
+}
+
 function valueRange(values, log) {
-  let low = Math.min(...values), high = Math.max(...values);
+  let [low, high] = extent(values);
   if (log) { low = Math.log10(low); high = Math.log10(high); }
   const pad = high > low ? (high - low) * 0.06 : Math.max(Math.abs(low) * 0.05, 1e-9);
   return [low - pad, high + pad];  // a constant series sits in the middle, never on the frame
@@ -383,11 +406,11 @@ function drawCharts() {
 
 function chart(name, runs) {
   const W = 560, H = 230, L = 58, R = 12, T = 10, B = 30;
+  const shown = ([s, v]) => (!page.zoom || (s >= page.zoom[0] && s <= page.zoom[1])) && (!page.log || v > 0);
   const series = runs.map((run, i) => {
-    let raw = pointsOf(page.runs.get(run).records, name);
-    if (page.zoom) raw = raw.filter(([s]) => s >= page.zoom[0] && s <= page.zoom[1]);
-    if (page.log) raw = raw.filter(([, v]) => v > 0);
-    return { run, color: COLORS[i % COLORS.length], raw, smooth: smooth(raw, page.smoothing) };
+    const raw = pointsOf(page.runs.get(run).records, name);
+    // smoothed over the whole run, then cut to the zoom: the smoothed line does not restart at the zoom's edge
+    return { run, color: COLORS[i % COLORS.length], raw: raw.filter(shown), smooth: smooth(raw, page.smoothing).filter(shown) };
   });
   const all = series.flatMap((s) => s.raw);
   const figure = el('figure', { class: 'chart', 'data-chart': name });
@@ -399,8 +422,7 @@ function chart(name, runs) {
     root.append(Object.assign(svg('text', { x: W / 2, y: H / 2, 'text-anchor': 'middle', class: 'axis' }), { textContent: 'no points in range' }));
     return figure;
   }
-  const steps = all.map(([s]) => s);
-  const [s0, s1] = page.zoom || [Math.min(...steps), Math.max(...steps)];
+  const [s0, s1] = page.zoom || extent(all.map(([s]) => s));
   const [v0, v1] = valueRange(all.map(([, v]) => v), page.log);
   const x = (step) => L + (s1 > s0 ? (step - s0) / (s1 - s0) : 0.5) * (W - L - R);
   const y = (value) => T + (1 - ((page.log ? Math.log10(value) : value) - v0) / (v1 - v0)) * (H - T - B);
@@ -465,7 +487,11 @@ function attachHover(root, figure, series, g) {
     return { px: clamped, step: g.s0 + (clamped - g.L) / (g.W - g.L - g.R) * (g.s1 - g.s0) };
   };
   let dragFrom = null;
-  root.addEventListener('pointerdown', (event) => { dragFrom = toStep(event); root.setPointerCapture(event.pointerId); });
+  root.addEventListener('pointerdown', (event) => {
+    dragFrom = toStep(event);
+    page.dragging = true;  // no redraw under the pointer until it is released
+    root.setPointerCapture(event.pointerId);
+  });
   root.addEventListener('pointermove', (event) => {
     const at = toStep(event);
     cursor.setAttribute('x1', at.px); cursor.setAttribute('x2', at.px); cursor.setAttribute('visibility', 'visible');
@@ -495,8 +521,11 @@ function attachHover(root, figure, series, g) {
       setZoom([Math.floor(Math.min(dragFrom.step, at.step)), Math.ceil(Math.max(dragFrom.step, at.step))]);
     }
     dragFrom = null;
+    page.dragging = false;
     brush.setAttribute('visibility', 'hidden');
+    if (page.redrawAfterDrag) { page.redrawAfterDrag = false; drawCharts(); }
   });
+  root.addEventListener('pointercancel', () => { dragFrom = null; page.dragging = false; brush.setAttribute('visibility', 'hidden'); });
   root.addEventListener('pointerleave', () => { cursor.setAttribute('visibility', 'hidden'); tooltip.hidden = true; });
   root.addEventListener('dblclick', () => setZoom(null));
 }
@@ -517,8 +546,8 @@ function zoomFromInputs() {
   page.zoom = [fromSet ? from : -Infinity, toSet ? to : Infinity];
   if (page.zoom[0] > page.zoom[1]) page.zoom.reverse();
   if (!Number.isFinite(page.zoom[0]) || !Number.isFinite(page.zoom[1])) {
-    const steps = [...page.runs.values()].flatMap((h) => h.records.map((r) => r.step));
-    page.zoom = [Number.isFinite(page.zoom[0]) ? page.zoom[0] : Math.min(...steps), Number.isFinite(page.zoom[1]) ? page.zoom[1] : Math.max(...steps)];
+    const [first, last] = extent([...page.runs.values()].flatMap((h) => h.records.map((r) => r.step)));
+    page.zoom = [Number.isFinite(page.zoom[0]) ? page.zoom[0] : first, Number.isFinite(page.zoom[1]) ? page.zoom[1] : last];
   }
   drawCharts();
 }
@@ -573,7 +602,7 @@ function openLightbox(sample, steps, at) {
   let current = sample;
   const show = () => {
     document.getElementById('lightbox-body').replaceChildren(current.kind === 'video'
-      ? el('video', { src: current.url, controls: true, autoplay: true, loop: true, muted: true })
+      ? video({ src: current.url, controls: true })
       : el('img', { src: current.url, alt: current.prompt }));
     document.getElementById('lightbox-caption').textContent =
       `step ${current.step} · prompt ${current.index}: ${current.prompt} (← → other steps, Esc closes)`;
@@ -587,7 +616,9 @@ function openLightbox(sample, steps, at) {
     else if (event.key === 'ArrowRight') move(1);
     else if (event.key === 'ArrowLeft') move(-1);
   };
-  const close = () => { box.hidden = true; document.removeEventListener('keydown', onKey); };
+  const close = () => { box.hidden = true; document.removeEventListener('keydown', onKey); closeLightbox = null; };
+  if (closeLightbox) closeLightbox();
+  closeLightbox = close;
   document.getElementById('lightbox-close').onclick = close;
   box.onclick = (event) => { if (event.target === box) close(); };
   document.addEventListener('keydown', onKey);
@@ -674,5 +705,9 @@ async function submitJob(text, errors, message) {
   }
 }
 
+if (new URLSearchParams(location.search).has('token')) {
+  // the token came in the address once (the answer set its cookie): it leaves the address bar and the history
+  history.replaceState(null, '', location.pathname + location.hash);
+}
 window.addEventListener('hashchange', route);
 route();
