@@ -199,10 +199,9 @@ def data_loading(workers: int, seconds: float, resolution: int) -> float:
     return images / (time.perf_counter() - started)
 
 
-def import_seconds() -> float:
+def import_seconds(module: str = "jobs.process.base_sd_train_process") -> float:
     """A fresh interpreter importing the trainer (torch, diffusers, transformers, peft, accelerate)."""
-    code = ("import time; t = time.perf_counter(); import jobs.process.base_sd_train_process; "
-            "print(time.perf_counter() - t)")
+    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -221,10 +220,13 @@ QUICK, FULL = (3, 5, 64, 2.0), (7, 20, 96, 6.0)
 
 
 def measure(rounds: int, updates: int, resolution: int, loading_seconds: float, device: str,
-            compile_backend: str | None = None) -> dict:
+            compile_backend: str | None = None, fresh_processes: bool = True) -> dict:
+    """Every figure; `fresh_processes` False leaves out the two that start new interpreters (imports, run.py's
+    launch to its first update: about 25 s here), which the harness's tests check on their own."""
     results: dict = {"machine": machine(), "settings": {"rounds": rounds, "updates_per_round": updates,
                                                         "resolution": resolution, "device": device}}
-    results["startup"] = {"imports_s": import_seconds(), "launch_to_first_update_s": launch_to_first_update()}
+    results["startup"] = ({"imports_s": import_seconds(), "launch_to_first_update_s": launch_to_first_update()}
+                          if fresh_processes else {})
     with tempfile.TemporaryDirectory() as tmp:
         timings: dict = {}
         cached = ready_trainer(Path(tmp), True, device, resolution, timings)
@@ -296,6 +298,10 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
+def seconds(value: float | None, decimals: int) -> str:
+    return "-" if value is None else f"{value:.{decimals}f}"
+
+
 def table(results: dict) -> str:
     o, c, s = results["overhead"], results["cache_speedup"], results["startup"]
     rows = [
@@ -303,9 +309,9 @@ def table(results: dict) -> str:
         ("bare PyTorch s/update", f"{o['bare_s_per_update']:.4f}"),
         ("uncached s/update", f"{c['uncached_s_per_update']:.4f}"),
         ("cache speed-up", f"{c['speedup']:.2f}x"),
-        ("start-up: imports / model load / caching", f"{s['imports_s']:.1f} / {s['model_load_s']:.2f} / "
-                                                     f"{s['caching_s']:.2f} s"),
-        ("run.py quickstart: launch to first update", f"{s['launch_to_first_update_s']:.1f} s"),
+        ("start-up: imports / model load / caching", f"{seconds(s.get('imports_s'), 1)} / "
+                                                     f"{seconds(s['model_load_s'], 2)} / {seconds(s['caching_s'], 2)} s"),
+        ("run.py quickstart: launch to first update", f"{seconds(s.get('launch_to_first_update_s'), 1)} s"),
         *[(f"data loading, {k.replace('_', ' ')}", f"{v:.0f} images/s")
           for k, v in results["data_loading_images_per_s"].items()],
         ("RSS after setup / after training", f"{results['memory_after_setup']['rss_mib']:.0f} / "

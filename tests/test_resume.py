@@ -74,9 +74,13 @@ def test_ctrl_c_then_rerun_continues_exactly_on_one_process(tmp_path, uninterrup
 @pytest.mark.multiprocess
 def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
     """Interrupted after 5 updates, then rerun; the same job under another name runs straight through in the
-    rerun's launch (after it, in the same two processes) as the reference."""
+    rerun's launch (after it, in the same two processes) as the reference. In that launch too: a run saved by one
+    process continues on two (`grow`)."""
     job = write_job(tmp_path / "job.yaml", "ddp", resume_process(tmp_path))
     reference = write_job(tmp_path / "reference.yaml", "reference", resume_process(tmp_path))
+    grow = resume_process(tmp_path, steps=4, lr_scheduler="constant")
+    assert run.main([str(write_job(tmp_path / "grow.yaml", "grow", grow))]) == 0
+    grow["train"]["steps"] = 6
     interrupted = launch(job, 2, cwd=tmp_path, script=REPO / "tests" / "instrumented_run.py",
                          env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "5"})
     assert interrupted.returncode == 0, interrupted.stderr[-3000:]
@@ -86,10 +90,14 @@ def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "output" / "ddp" / "checkpoints" / "step_000000005").iterdir()) == [
         "lora.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "scheduler.pt", "train_state.json"]
 
-    resumed = launch(job, 2, cwd=tmp_path, extra_jobs=[str(reference)])
+    resumed = launch(job, 2, cwd=tmp_path, extra_jobs=[str(reference), str(write_job(tmp_path / "grow.yaml", "grow",
+                                                                                         grow))])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert per_update(tmp_path / "output" / "ddp") == per_update(tmp_path / "output" / "reference")
     assert len(per_update(tmp_path / "output" / "reference")) == STEPS
+    # resumed on another process count: said, with what it changes (the data order), and the steps go on
+    assert "written by 1 processes, this run has 2" in resumed.stderr and "data order" in resumed.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "output" / "grow" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.slow
@@ -141,19 +149,6 @@ def test_new_steps_lr_and_optimizer_settings_apply_on_resume(tmp_path, caplog):
     assert lrs == pytest.approx([1e-3] * 4 + [2e-3] * 2)
     assert "train.lr: 0.001 -> 0.002" in caplog.text and "train.steps: 4 -> 6" in caplog.text
     assert "weight_decay 0.01 -> 0.1" in caplog.text
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_resume_on_another_process_count_continues_the_lr(tmp_path, caplog):
-    process = resume_process(tmp_path, steps=4, lr_scheduler="constant")
-    assert run.main([str(write_job(tmp_path / "job.yaml", "grow", process))]) == 0
-    process["train"]["steps"] = 6
-    result = launch(write_job(tmp_path / "job.yaml", "grow", process), 2, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "written by 1 processes, this run has 2" in result.stderr and "data order" in result.stderr
-    records = read_metrics(tmp_path / "output" / "grow" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
 
 
 def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):

@@ -94,7 +94,8 @@ class World:
                          cwd=self.tmp)
         self.server = Dashboard(self.root, queue, "127.0.0.1", 0)
         self.runner = QueueRunner(queue, interval=0.25)
-        self.server.queue_running = self.runner.start()
+        self.server.runner = self.runner
+        assert self.runner.start()
         self.server.serve_in_thread()
         self.client = Client(self.server.server_address[1])
 

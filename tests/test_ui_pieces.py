@@ -245,3 +245,21 @@ def test_a_pid_taken_by_a_later_process_or_another_machine_is_told_apart(tmp_pat
     assert control.run_state(tmp_path).state == "running"
     (tmp_path / "status.json").write_text('{"state": "running", "pid": null, "step": 1}')
     assert control.run_state(tmp_path).state == "unknown"  # a hand-edited file is not a status
+
+
+def test_a_second_dashboard_takes_the_queue_over_when_the_first_ends(tmp_path, registry):
+    import time
+
+    from toolkit.ui.jobs import QueueRunner
+
+    first, second = (QueueRunner(fake_queue(tmp_path, registry), interval=0.02) for _ in range(2))
+    try:
+        assert first.start() and not second.start()
+        first.stop()
+        deadline = time.monotonic() + 10
+        while not second.holding:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        first.stop()
+        second.stop()

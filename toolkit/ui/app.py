@@ -19,7 +19,9 @@ def build_dashboard(root: Path, registry, config_root: Path, run_py: Path, host:
     root.mkdir(parents=True, exist_ok=True)
     queue = JobQueue(root, registry, config_root, [sys.executable, str(run_py)], allow_outside=allow_outside,
                      gpu_sets=list(gpu_sets) if gpu_sets else None)
-    return Dashboard(root, queue, host, port, token), QueueRunner(queue)
+    dashboard = Dashboard(root, queue, host, port, token)
+    dashboard.runner = QueueRunner(queue)
+    return dashboard, dashboard.runner
 
 
 def gpu_set_problem(gpu_sets: list[str]) -> str | None:
@@ -50,7 +52,7 @@ def serve(root: Path, registry, config_root: Path, run_py: Path, host: str, port
     except (OSError, ValueError) as err:
         log.error("cannot serve the dashboard on %s:%d: %s", host, port, err)
         return 2
-    dashboard.queue_running = runner.start()
+    runner.start()
     address = dashboard.url + (f"?token={token}" if token else "")
     log.info("dashboard for %s at %s (Ctrl-C ends the dashboard; running jobs go on)", root.resolve(), address)
     print(address, flush=True)

@@ -160,18 +160,19 @@ class JobQueue:
         return job, []
 
     def claim_id(self, name: str, suffix: str) -> tuple[str, Path]:
-        """The next submission number, claimed by creating its job file (exclusive: two dashboards never share
-        one)."""
+        """The next submission number, claimed by creating its job file while holding the queue's submit lock (two
+        dashboards on one folder never give out the same number)."""
+        import fcntl
+
         slug = re.sub(r"[^A-Za-z0-9_-]", "_", name)[:64]
-        number = max((int(p.name[:6]) for p in self.folder.iterdir() if re.match(r"^\d{6}-", p.name)), default=0) + 1
-        while True:
+        with (self.folder / "submit.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            number = max((int(p.name[:6]) for p in self.folder.iterdir() if re.match(r"^\d{6}-", p.name)),
+                         default=0) + 1
             job_id = f"{number:06d}-{slug}"
             path = self.folder / f"{job_id}{suffix}"
-            try:
-                with path.open("x", encoding="utf-8"):
-                    return job_id, path
-            except FileExistsError:
-                number += 1
+            path.touch(exist_ok=False)
+            return job_id, path
 
     # ---- reading ---------------------------------------------------------------------------------------
 
@@ -373,7 +374,12 @@ def last_error_line(log_text: str) -> str:
 
 
 class QueueRunner:
-    """Runs a queue: a thread that ticks every `interval` seconds while this dashboard holds the queue's lock."""
+    """Runs a queue: a thread that ticks every `interval` seconds while this dashboard holds the queue's lock. A
+    dashboard that finds the lock held shows the queue and tries again now and then: when the other one ends, it
+    takes the queue over (a job it then finds running is watched by its pid)."""
+
+    #: how often (in ticks) a dashboard without the lock tries to take it
+    RETRY_TICKS = 5
 
     def __init__(self, queue: JobQueue, interval: float = 1.0):
         self.queue = queue
@@ -382,42 +388,53 @@ class QueueRunner:
         self.thread: threading.Thread | None = None
         self.lock_file = None
 
+    @property
+    def holding(self) -> bool:
+        """Whether this dashboard runs the queue now."""
+        return self.lock_file is not None
+
     def acquire(self) -> bool:
         import fcntl
 
         self.queue.folder.mkdir(parents=True, exist_ok=True)
-        self.lock_file = (self.queue.folder / "runner.lock").open("a")
+        handle = (self.queue.folder / "runner.lock").open("a")
         try:
-            fcntl.flock(self.lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            self.lock_file.close()
-            self.lock_file = None
+            handle.close()
             return False
+        self.lock_file = handle
         return True
 
     def start(self) -> bool:
-        """Start running the queue; False when another dashboard runs it."""
+        """Start the queue's thread; True when this dashboard runs the queue from now (else it waits for the lock)."""
         if not self.acquire():
-            log.warning("another dashboard runs the job queue in %s: this one shows it and starts nothing",
-                        self.queue.folder)
-            return False
+            log.warning("another dashboard runs the job queue in %s: this one shows it, starts nothing, and takes "
+                        "over when that one ends", self.queue.folder)
         self.thread = threading.Thread(target=self.loop, name="difftune-queue", daemon=True)
         self.thread.start()
-        return True
+        return self.holding
 
     def loop(self) -> None:
+        waited = 0
         while not self.stopping.is_set():
-            try:
-                self.queue.tick()
-            except Exception:  # a failure to start one job must not end the queue
-                log.exception("job queue")
+            if not self.holding:
+                waited += 1
+                if waited % self.RETRY_TICKS == 0 and self.acquire():
+                    log.info("this dashboard now runs the job queue in %s", self.queue.folder)
+            if self.holding:
+                try:
+                    self.queue.tick()
+                except Exception:  # a failure to start one job must not end the queue
+                    log.exception("job queue")
             self.stopping.wait(self.interval)
 
     def stop(self) -> None:
-        """Stop scheduling (running jobs go on: they are processes of their own)."""
+        """Stop scheduling (running jobs go on: they are processes of their own). A tick in progress finishes first,
+        so the lock is never handed on in the middle of starting a job."""
         self.stopping.set()
         if self.thread is not None:
-            self.thread.join(timeout=5)
+            self.thread.join()
         if self.lock_file is not None:
             self.lock_file.close()
             self.lock_file = None

@@ -76,10 +76,15 @@ class Dashboard(ThreadingHTTPServer):
         self.reader = RunReader(self.root)
         self.queue = queue
         self.token = token
-        self.queue_running = False
+        #: the queue's runner, when this dashboard has one (`queue_running` says whether it runs the queue now)
+        self.runner = None
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), Handler)
         self.loopback = is_loopback(host)
+
+    @property
+    def queue_running(self) -> bool:
+        return self.runner is not None and self.runner.holding
 
     @property
     def url(self) -> str:

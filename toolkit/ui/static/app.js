@@ -657,7 +657,7 @@ function showQueue() {
     const data = await api('/api/jobs');
     document.getElementById('queue-line').textContent = data.runner
       ? `jobs run one at a time per GPU set (${data.gpu_sets.map((g) => g === null ? 'all visible devices' : `CUDA_VISIBLE_DEVICES=${g}`).join('; ')}), each as its own run.py process`
-      : 'another dashboard runs this queue: this one shows it and starts nothing';
+      : 'another dashboard runs this queue: this one shows it, starts nothing, and takes over when that one ends';
     body.replaceChildren(...data.jobs.map(jobRow));
   });
 }
