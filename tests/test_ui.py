@@ -145,9 +145,19 @@ class World:
                                    "started_at_after": self.status("alpha").started_at}
         return self.restart_record
 
-    def alpha_killed(self) -> None:
-        """alpha killed with SIGKILL (before any checkpoint), gamma cancelled: the queue goes on with beta."""
+    def alpha_sampled(self) -> None:
+        """alpha asked for a sample through the API, and the sample written."""
         self.restarted()
+        samples = self.root / "alpha" / "samples"
+        if self.job("alpha")["state"] == "running" and not list(samples.glob("step_*_0.png")):
+            status, answer = self.client.post("/api/runs/alpha/control/sample")
+            assert status == 202 and answer["requested"] == "sample", answer
+        wait_for("alpha's sample", lambda: list(samples.glob("step_*_0.png")), timeout=60)
+
+    def alpha_killed(self) -> None:
+        """alpha killed with SIGKILL (after a sample, before any checkpoint), gamma cancelled: the queue goes on
+        with beta."""
+        self.alpha_sampled()
         if self.job("alpha")["state"] == "running":
             os.kill(self.job("alpha")["pid"], signal.SIGKILL)
         wait_for("the queue to see alpha gone", lambda: self.job("alpha")["state"] != "running", timeout=30)
@@ -270,9 +280,8 @@ def test_control_requests_are_acted_on_by_the_running_job(world):
     world.restarted()
     if world.job("alpha")["state"] != "running":
         pytest.skip("alpha was killed by an earlier test")
-    status, answer = world.client.post("/api/runs/alpha/control/sample")
-    assert status == 202 and answer["requested"] == "sample"
-    wait_for("alpha's sample", lambda: list((world.root / "alpha" / "samples").glob("step_*_0.png")), timeout=60)
+    assert not list((world.root / "alpha" / "samples").glob("*"))  # alpha samples only when asked
+    world.alpha_sampled()
     wait_for("the request to be removed once acted on",
              lambda: not list((world.root / "alpha" / "control").glob("*.json")), timeout=30)
     assert world.client.post("/api/runs/finished/control/stop")[0] == 409  # nothing runs there
@@ -294,6 +303,7 @@ def test_a_killed_run_is_crashed_with_nothing_saved_and_the_next_job_starts(worl
     wait_for("beta to start", lambda: world.job("beta")["state"] != "queued", timeout=10)
     assert world.job("gamma")["state"] == "cancelled"
     # jobs run as `run.py --quiet`: the log, not a progress bar (alpha cached its latents and sampled)
+    assert list((world.root / "alpha" / "samples").glob("step_*_0.png"))
     log = world.job("alpha")["log"]
     assert "total updates" in log and "caching latents" not in log
     assert not any(bar in log for bar in ("train:", "caching", "sampling", "it/s]", "step/s")), log[-3000:]
@@ -506,6 +516,11 @@ def test_browser_save_and_stop_buttons_act_on_the_running_job(world, browser):
 
 def test_the_queue_ends_in_order_with_each_job_as_its_run_ended(world):
     world.beta_stopped()
+    beta = world.job("beta")
+    assert beta["returncode"] == 0  # started by this dashboard: its exit code is known (a stop exits 0)
+    stopped_at = world.status("beta").step
+    assert (world.root / "beta" / "checkpoints" / f"step_{stopped_at:09d}" / "train_state.json").is_file()
+    assert not (world.root / "beta" / "beta.safetensors").exists()  # stopped, not finished: a rerun resumes it
     states = [(job["id"], job["state"]) for job in world.client.get("/api/jobs")[1]["jobs"]]
     assert states == [(world.jobs["alpha"], "crashed"), (world.jobs["beta"], "stopped"),
                       (world.jobs["gamma"], "cancelled")]

@@ -107,6 +107,7 @@ def test_queued_jobs_run_in_order_one_per_gpu_set(tmp_path, registry):
     assert seen(jobs[2])["gpus"] == "1"  # the set job b left
     states = [j.state for j in queue.jobs()]
     assert states[0] == "running" and states[1] == "failed" and states[2] == "running"  # b never began its run
+    assert queue.jobs()[1].returncode == 0  # its exit code, known to the dashboard that started it
     for job in (jobs[0], jobs[2]):
         Path(str(queue.job_file(job)) + ".release").write_text("")
     wait(lambda: all(j.state != "running" for j in queue.jobs()))
@@ -154,19 +155,20 @@ def job_yaml(tmp_path, name: str, processes: int = 1) -> str:
 
 
 def release_all(queue) -> None:
+    """Let every stand-in process end, and wait for those this queue started."""
     for job in queue.jobs():
         Path(str(queue.job_file(job)) + ".release").write_text("")
+    for child in queue.children.values():
+        child.wait(timeout=30)
 
 
 def test_two_jobs_of_one_run_folder_never_run_at_once(tmp_path, registry):
-    import time
 
     queue = fake_queue(tmp_path, registry, gpu_sets=["0", "1"])
     first, _ = queue.submit(job_yaml(tmp_path, "same"))
     second, _ = queue.submit(job_yaml(tmp_path, "same"))
     try:
         queue.tick()
-        time.sleep(0.2)
         queue.tick()
         jobs = queue.jobs()
         assert [j.state for j in jobs] == ["running", "queued"]  # a GPU set is free, the folder is not
@@ -180,7 +182,7 @@ def test_a_job_left_starting_is_adopted_or_failed_never_started_again(tmp_path, 
     import sys
     import time
 
-    queue = fake_queue(tmp_path, registry)
+    queue = fake_queue(tmp_path, registry, gpu_sets=["0", "1"])  # a free set: starting `lost` again is possible
     lost, _ = queue.submit(job_yaml(tmp_path, "lost"))
     begun, _ = queue.submit(job_yaml(tmp_path, "begun"))
     for job in (lost, begun):  # as a dashboard that ended between saving `starting` and saving the pid leaves them
@@ -218,6 +220,9 @@ def test_the_queue_refuses_what_run_py_would_take_from_its_own_user(tmp_path, re
     with_env = job_yaml(tmp_path, "env").replace("name: env", "name: ${HOME}")
     _, problems = queue.submit(with_env)
     assert "${HOME}" in problems[0]["message"] and "environment" in problems[0]["message"]
+    escaped = job_yaml(tmp_path, "env").replace("name: env", 'name: "$\\x7BHOME}"')  # YAML undoes the escape
+    _, problems = queue.submit(escaped)
+    assert "${HOME}" in problems[0]["message"]
     bomb = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b, *b]\n"
     _, problems = queue.submit(bomb)
     assert "aliases" in problems[0]["message"]
@@ -233,8 +238,9 @@ def test_a_pid_taken_by_a_later_process_or_another_machine_is_told_apart(tmp_pat
 
     from toolkit.run import control
 
-    # this process started after the run said it started: it only got the run's old pid
-    control.Status(state="running", pid=os.getpid(), started_at=time.time() - 10 * 24 * 3600).write(tmp_path)
+    # the run's process started at another moment: this process only got its old pid
+    mine = control.process_start_ticks(os.getpid())
+    control.Status(state="running", pid=os.getpid(), process_start=mine - 1).write(tmp_path)
     assert control.run_state(tmp_path).state == "crashed"
     control.Status(state="running", pid=os.getpid()).write(tmp_path)
     assert control.run_state(tmp_path).state == "running"
@@ -243,6 +249,10 @@ def test_a_pid_taken_by_a_later_process_or_another_machine_is_told_apart(tmp_pat
     # a run on another machine sharing the folder: its pid means nothing here, it is not called crashed
     control.Status(state="running", pid=gone.pid, host="another-machine").write(tmp_path)
     assert control.run_state(tmp_path).state == "running"
+    silent = json.loads((tmp_path / "status.json").read_text()) | {"updated_at": time.time() - 3600}
+    (tmp_path / "status.json").write_text(json.dumps(silent))  # and has said nothing for an hour
+    found = control.run_state(tmp_path)
+    assert found.state == "unknown" and "another-machine" in found.note
     (tmp_path / "status.json").write_text('{"state": "running", "pid": null, "step": 1}')
     assert control.run_state(tmp_path).state == "unknown"  # a hand-edited file is not a status
 

@@ -22,6 +22,8 @@ CONTROL_DIR = "control"
 STATUS_FILE = "status.json"
 ACTIONS = ("stop", "save", "sample")
 STATES = ("running", "stopped", "finished", "failed")
+#: a run on another machine that has not rewritten its status.json for this long is no longer taken as running
+STALE_S = 600.0
 
 
 def request(run_dir: Path, action: str) -> Path:
@@ -69,6 +71,9 @@ class Status:
     last_error: str | None = None
     #: the machine the run's process runs on: its pid means nothing elsewhere (a run folder on shared storage)
     host: str = field(default_factory=socket.gethostname)
+    #: when the process started, in the process table's own clock ticks: a later process that gets the same pid
+    #: has another value (compared exactly: no wall clock involved)
+    process_start: int | None = field(default_factory=lambda: process_start_ticks(os.getpid()))
 
     def write(self, run_dir: Path) -> None:
         self.updated_at = time.time()
@@ -89,6 +94,14 @@ def read_status(run_dir: Path) -> Status | None:
     if not isinstance(status.state, str) or not all(isinstance(n, (int, float)) for n in numbers):
         return None
     return status
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat), where there is one."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def process_alive(pid: int) -> bool:
@@ -114,35 +127,28 @@ class RunState:
     status: Status | None
     #: the newest complete checkpoint (what running the same command again continues from), if any
     checkpoint: Path | None
+    #: why the state is not the file's own (a silent run on another machine)
+    why: str = ""
 
     @property
     def note(self) -> str:
         """What the state means for the user: for a crashed run, whether a rerun resumes or starts over."""
         if self.state != "crashed":
-            return ""
+            return self.why
         if self.checkpoint is None:
             return "nothing saved yet: its process is gone before its first checkpoint; the same command starts over"
         return f"its process is gone without saying why; the same command resumes from {self.checkpoint.name}"
 
 
-def process_started_at(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), where the process table says (Linux)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def runs_here(status: Status) -> bool:
-    """Whether the process status.json names is alive and is the run's: on this machine, and started before the
-    run said it started (a later process that got the same pid is not the run)."""
+    """Whether the process status.json names is alive and is the run's (a later process that got the same pid has
+    another start time; a file without it, written by an older difftune, is judged by the pid alone)."""
     if not process_alive(status.pid):
         return False
-    started = process_started_at(status.pid)
-    return started is None or started <= status.started_at + 2.0  # the clock ticks of /proc are coarse
+    if status.process_start is None:
+        return True
+    ticks = process_start_ticks(status.pid)
+    return ticks is None or ticks == status.process_start
 
 
 def run_state(run_dir: Path) -> RunState:
@@ -151,11 +157,15 @@ def run_state(run_dir: Path) -> RunState:
     status = read_status(run_dir)
     if status is None:
         return RunState("unknown", None, None)
-    state = status.state
+    state, why = status.state, ""
     if state == "running" and status.host == socket.gethostname() and not runs_here(status):
         state = "crashed"
+    elif state == "running" and status.host != socket.gethostname() and time.time() - status.updated_at > STALE_S:
+        # a run on another machine (or a container since replaced) that has said nothing for long: not known to run
+        state = "unknown"
+        why = f"said it runs on {status.host}, which has not updated it for {(time.time() - status.updated_at) / 60:.0f} min"
     complete, _ = scan_checkpoints(run_dir / "checkpoints")
-    return RunState(state, status, complete[-1] if complete else None)
+    return RunState(state, status, complete[-1] if complete else None, why)
 
 
 def describe_status(run_dir: Path) -> tuple[str, str]:

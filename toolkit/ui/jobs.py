@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.config.loader import ENV_PATTERN, ConfigError, check_paths, load_config
+from toolkit.config.loader import ENV_PATTERN, ConfigError, check_paths, load_config, read_raw
 from toolkit.config.preflight import written_folders
 from toolkit.errors import UserError
 from toolkit.files import write_json_atomic, write_text_atomic
@@ -108,7 +108,7 @@ class JobQueue:
         where it would write checked against the training folder. Nothing is started."""
         if len(text.encode("utf-8")) > MAX_JOB_BYTES:
             return None, [{"key": "", "message": f"{given_name}: larger than {MAX_JOB_BYTES} bytes"}]
-        refused = foreign_input_problems(text, given_name)
+        refused = alias_problems(text, given_name)
         if refused:
             return None, refused
         suffix = ".json" if given_name.lower().endswith(".json") else ".yaml"
@@ -116,6 +116,9 @@ class JobQueue:
         probe = self.folder / f".incoming-{os.getpid()}-{threading.get_ident()}{suffix}"
         write_text_atomic(probe, text)
         try:
+            refused = environment_problems(read_raw(probe), given_name)  # in the parsed strings: escapes undone
+            if refused:
+                return None, refused
             config, _ = load_config(str(probe), self.registry, config_root=self.config_root)
             check_paths(config, probe)
         except (ConfigError, UserError) as err:
@@ -294,10 +297,9 @@ class JobQueue:
         found = processes_running(self.job_file(job))
         if found:
             job.state, job.pid = "running", found[0]
-        else:
-            job.state, job.ended_at = "failed", time.time()
-            job.note = "the dashboard ended while starting it; queue it again to run it"
-        self.save(job)
+            self.save(job)
+        else:  # it never began, or began and ended since: its run folder says which
+            self.ended(job, None, never_began="the dashboard ended while starting it; queue it again to run it")
 
     def check_running(self, job: Job) -> None:
         """A running job whose process is gone ends with its run's state (finished, stopped, failed, crashed)."""
@@ -311,12 +313,17 @@ class JobQueue:
             if job.pid is not None and process_alive(job.pid) and runs_job(job.pid, self.job_file(job)):
                 return
             returncode = None
+        self.ended(job, returncode)
+
+    def ended(self, job: Job, returncode: int | None, never_began: str = "") -> None:
+        """A job whose process is gone: its run's state (finished, stopped, failed, crashed) when its run began,
+        else failed; an error exit code fails a run that said it ended well."""
         found = run_state(Path(job.run_folder))
         started = found.status is not None and found.status.started_at >= (job.started_at or 0) - 1
         if started and found.state in ("finished", "stopped", "failed", "crashed"):
             job.state = found.state
         else:  # it ended before its run began (an error in the job file, a path gone since it was queued)
-            job.state = "failed"
+            job.state, job.note = "failed", never_began
         if returncode and job.state in ("finished", "stopped"):  # the run ended well, its process did not
             job.state, job.note = "failed", f"its process exited with code {returncode}"
         job.returncode, job.ended_at = returncode, time.time()
@@ -349,22 +356,39 @@ def processes_running(job_file: Path) -> list[int]:
     return sorted(found)
 
 
-def foreign_input_problems(text: str, given_name: str) -> list[dict[str, str]]:
-    """What the queue refuses in a job file that `run.py` would take from its own user: `${VARIABLES}` (the job
-    would read the dashboard's environment, secrets included, into its outputs) and YAML aliases (a small file
-    that expands to an enormous one)."""
-    problems = []
-    names = sorted({m.group(1) for m in ENV_PATTERN.finditer(text)})
-    if names:
-        problems.append({"key": "", "message": f"{given_name}: ${{{names[0]}}}: a job queued in the dashboard cannot "
-                         "read the dashboard's environment variables; write the values themselves"})
+def alias_problems(text: str, given_name: str) -> list[dict[str, str]]:
+    """YAML aliases are refused in the queue (a small file can expand to an enormous one), before anything builds
+    the data."""
     try:
         if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
-            problems.append({"key": "", "message": f"{given_name}: YAML aliases (*name) are not accepted in the "
-                             "dashboard; write the repeated part out"})
+            return [{"key": "", "message": f"{given_name}: YAML aliases (*name) are not accepted in the dashboard; "
+                     "write the repeated part out"}]
     except yaml.YAMLError:
         pass  # the loader says what is wrong with it
-    return problems
+    return []
+
+
+def environment_problems(data, given_name: str) -> list[dict[str, str]]:
+    """`${VARIABLES}` in any string of the parsed job are refused in the queue: the job would read the dashboard's
+    environment, secrets included, into its outputs. (Read after parsing, so an escaped `$\\x7B` is caught too.)"""
+    names: set[str] = set()
+
+    def walk(value) -> None:
+        if isinstance(value, str):
+            names.update(m.group(1) for m in ENV_PATTERN.finditer(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(key)
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(data)
+    if not names:
+        return []
+    return [{"key": "", "message": f"{given_name}: ${{{sorted(names)[0]}}}: a job queued in the dashboard cannot read "
+             "the dashboard's environment variables; write the values themselves"}]
 
 
 def last_error_line(log_text: str) -> str:

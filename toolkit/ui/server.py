@@ -121,7 +121,8 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         parts = [unquote(p) for p in url.path.split("/")[1:]]
-        if method != "GET":
+        self.answered = False  # whether an answer's headers went out (after that, a failure can only close)
+        if method != "GET" or self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0":
             # a request with a body ends its connection: whatever of the body is not read (a refused request's) can
             # never be taken for a next request on the same connection
             self.close_connection = True
@@ -133,12 +134,17 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(HTTPStatus.FORBIDDEN, f"a {method} request needs the header {WRITE_HEADER}: 1")
             self.route(method, parts, query, set_cookie)
         except ApiError as err:
-            self.close_connection = self.close_connection or method != "GET"
+            if self.answered:
+                self.close_connection = True
+                return
             self.send_json({"error": err.message, **err.extra}, err.status)
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception as err:  # a bug answers 500 with its name, and the server goes on
             log.exception("ui: %s %s", method, self.path)
+            if self.answered:
+                self.close_connection = True
+                return
             self.send_json({"error": f"{type(err).__name__}: {err}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
 
     def host_allowed(self) -> bool:
@@ -178,6 +184,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.send_common_headers()
         self.end_headers()
+        self.answered = True
         self.wfile.write(body)
 
     def send_common_headers(self, policy: str = PAGE_POLICY) -> None:
@@ -206,6 +213,7 @@ class Handler(BaseHTTPRequestHandler):
                                  "Path=/")
             self.send_common_headers(policy)
             self.end_headers()
+            self.answered = True
             left = size
             while left > 0:
                 chunk = handle.read(min(left, 1 << 20))
@@ -270,10 +278,11 @@ class Handler(BaseHTTPRequestHandler):
                     raise ApiError(HTTPStatus.NOT_FOUND, f"no job {job_id!r}")
                 self.send_json({**asdict(job), "log": self.server.queue.log_tail(job)})
             case ("DELETE", ["api", "jobs", job_id]):
+                queue = self.need_queue()
                 if not self.server.queue_running:
                     raise ApiError(HTTPStatus.CONFLICT, "another dashboard runs this queue: cancel the job there")
                 try:
-                    job = self.need_queue().cancel(job_id)
+                    job = queue.cancel(job_id)
                 except KeyError as err:
                     raise ApiError(HTTPStatus.NOT_FOUND, f"no job {job_id!r}") from err
                 except ValueError as err:
