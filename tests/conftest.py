@@ -46,3 +46,20 @@ def tiny_wuerstchen(tiny_cache) -> Path:
     from toolkit.models.wuerstchen.tiny import ensure_tiny_wuerstchen
 
     return ensure_tiny_wuerstchen()
+
+
+@pytest.fixture(scope="session")
+def two_process_launch(tmp_path_factory, tiny_sd15):
+    """One two-process launch (a launch costs two interpreters' imports) shared by the schedule and plan checks
+    (tests/test_lr_schedule.py) and the sharding checks (tests/test_caches.py): their jobs run one after the other
+    in the same two processes, each sample's index recorded per rank. Returns (folder, the launch's result)."""
+    from helpers import launch
+    from test_caches import every_sample_jobs
+    from test_lr_schedule import schedule_jobs
+
+    tmp = tmp_path_factory.mktemp("two_process_launch")
+    (tmp / "seen").mkdir()
+    files = schedule_jobs(tmp) + every_sample_jobs(tmp)
+    result = launch(Path(files[0]), 2, cwd=tmp, script=REPO / "tests" / "instrumented_run.py",
+                    env={"DIFFTUNE_TEST_RECORD_INDICES": str(tmp / "seen")}, extra_jobs=files[1:])
+    return tmp, result

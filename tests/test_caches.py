@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, launch, make_image, make_images, trainer_process, write_job
+from helpers import make_image, make_images, trainer_process, write_job
 
 from jobs.job import get_job
 from toolkit.config.loader import load_config
@@ -224,27 +222,34 @@ def epoch_views(folder, processes, job):
     return seen
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_every_sample_once_per_epoch_on_two_processes(tmp_path):
-    """8 images in batches of 2 shard evenly over 2 processes; 5 batches of 1 do not, so accelerate repeats one
-    batch, which the plan announces. Both jobs (cached and live) in one launch, one after the other."""
-    cases = {"even": (8, 2, True), "uneven": (5, 1, False)}
+#: name: (images, batch size, cached): 8 images in batches of 2 shard evenly over 2 processes; 5 batches of 1 do not
+SHARD_CASES = {"even": (8, 2, True), "uneven": (5, 1, False)}
+
+
+def every_sample_jobs(tmp_path) -> list[str]:
+    """The sharding jobs of the shared two-process launch (conftest.py `two_process_launch`): one cached, one live,
+    two epochs each."""
     files = []
-    for name, (images, batch, cached) in cases.items():
+    for name, (images, batch, cached) in SHARD_CASES.items():
         data = make_images(tmp_path / f"data_{name}", images, size=(64, 64))
         dataset = {"folder_path": str(data), "resolution": [64], "cache_latents_to_disk": cached}
         process = trainer_process(tmp_path, datasets=[dataset], train={
             "steps": None, "epochs": 2, "batch_size": batch, "cache_text_embeddings": cached})
         files.append(str(write_job(tmp_path / f"{name}.yaml", name, process)))
-    (tmp_path / "seen").mkdir()
-    result = launch(Path(files[0]), 2, cwd=tmp_path, script=REPO / "tests" / "instrumented_run.py",
-                    env={"DIFFTUNE_TEST_RECORD_INDICES": str(tmp_path / "seen")}, extra_jobs=files[1:])
+    return files
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_every_sample_once_per_epoch_on_two_processes(two_process_launch):
+    """8 images in batches of 2 shard evenly over 2 processes; 5 batches of 1 do not, so accelerate repeats one
+    batch, which the plan announces. Both jobs (cached and live) in the shared launch, one after the other."""
+    tmp_path, result = two_process_launch
     assert result.returncode == 0, result.stderr[-3000:]
-    announced = re.findall(r"batches repeated to even shards +(\d+)\n", result.stderr)
-    for (name, (images, batch, _)), repeated in zip(cases.items(), announced, strict=True):
+    for name, (images, batch, _) in SHARD_CASES.items():
         plan = TrainingPlan.create(images, images // batch, 2, 1, steps=None, epochs=2)
-        assert int(repeated) == plan.repeated_batches
+        announced = json.loads((tmp_path / "output" / name / "plan.json").read_text())
+        assert announced["batches repeated to even shards"] == plan.repeated_batches
         views_by_epoch = epoch_views(tmp_path / "seen", 2, name)
         assert sorted(views_by_epoch) == [0, 1]
         for indices in views_by_epoch.values():

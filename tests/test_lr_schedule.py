@@ -103,11 +103,34 @@ def run_results(tmp_path, name: str) -> tuple[list[dict], dict]:
     return read_metrics(run_dir / "metrics.jsonl"), json.loads((last / "train_state.json").read_text())
 
 
+def uneven_plan(batches: int, processes: int, epochs: int) -> TrainingPlan:
+    """The plan of `batches` images of batch 1 over `processes` with accumulation 2 for `epochs`."""
+    return TrainingPlan.create(batches, batches, processes, gradient_accumulation=2, steps=None, epochs=epochs)
+
+
 def uneven_job(tmp_path, batches: int, processes: int, epochs: int):
-    """`batches` images of batch 1 over `processes` with accumulation 2 for `epochs`, and the plan it should take."""
-    plan = TrainingPlan.create(batches, batches, processes, gradient_accumulation=2, steps=None, epochs=epochs)
-    return plan, job_file(tmp_path, f"uneven{batches}", batches, batch_size=1, steps=None, epochs=epochs,
-                          gradient_accumulation=2)
+    """That job, and the plan it should take."""
+    return uneven_plan(batches, processes, epochs), job_file(tmp_path, f"uneven{batches}", batches, batch_size=1,
+                                                             steps=None, epochs=epochs, gradient_accumulation=2)
+
+
+SCHEDULE = {"batch_size": 4, "gradient_accumulation": 5, "lr_scheduler": "cosine_with_restarts",
+            "lr_scheduler_params": {"num_cycles": 2}}
+
+
+def schedule_jobs(tmp_path) -> list[str]:
+    """The schedule jobs of the shared two-process launch (conftest.py `two_process_launch`): the same schedule by
+    epochs and by steps (two processes of one job file, each into its own training folder), a linear schedule over
+    2 updates, and 11 images in uneven shards."""
+    data = make_images(tmp_path / "data_51", 51)
+    jobs = [trainer_process(tmp_path, trigger_word=None, training_folder=str(tmp_path / folder),
+                            datasets=[{"folder_path": str(data), "resolution": [32]}],
+                            train={"lr": LR, **SCHEDULE, **train})
+            for folder, train in (("by_epochs", {"steps": None, "epochs": 10}), ("by_steps", {"steps": 20}))]
+    linear = job_file(tmp_path, "lin", 5, batch_size=1, steps=None, epochs=1, gradient_accumulation=2,
+                      lr_scheduler="linear")
+    _, uneven = uneven_job(tmp_path, 11, 2, 1)
+    return [str(write_job(tmp_path / "both.yaml", "lr", *jobs)), str(linear), str(uneven)]
 
 
 def assert_follows_plan(tmp_path, name: str, plan: TrainingPlan, log: str) -> None:
@@ -128,25 +151,14 @@ def test_plan_matches_updates_of_uneven_shards_on_three_processes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_path, registry):
+def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(two_process_launch, registry):
     """51 samples, batch 4, 2 processes, accumulation 5: 13 batches -> 7 and 6 per process -> 2 updates per epoch
     (windows of 5 and 2 micro-batches). In the same launch: 5 images, batch 1, accumulation 2, 1 epoch:
     ceil(ceil(5/2)/2) = 2 updates, the linear schedule per update; 11 images: the plan's updates and epochs, uneven
     shards."""
-    schedule = {"batch_size": 4, "gradient_accumulation": 5, "lr_scheduler": "cosine_with_restarts",
-                "lr_scheduler_params": {"num_cycles": 2}}
-    # both jobs in one launch (a job's processes run in turn, each into its own training folder)
-    data = make_images(tmp_path / "data_51", 51)
-    jobs = [trainer_process(tmp_path, trigger_word=None, training_folder=str(tmp_path / folder),
-                            datasets=[{"folder_path": str(data), "resolution": [32]}],
-                            train={"lr": LR, **schedule, **train})
-            for folder, train in (("by_epochs", {"steps": None, "epochs": 10}), ("by_steps", {"steps": 20}))]
-    linear = job_file(tmp_path, "lin", 5, batch_size=1, steps=None, epochs=1, gradient_accumulation=2,
-                      lr_scheduler="linear")
-    plan, uneven = uneven_job(tmp_path, 11, 2, 1)
-    result = launch(write_job(tmp_path / "both.yaml", "lr", *jobs), 2, cwd=tmp_path,
-                    extra_jobs=[str(linear), str(uneven)])
+    tmp_path, result = two_process_launch
     assert result.returncode == 0, result.stderr[-4000:]
+    plan = uneven_plan(11, 2, 1)
     metrics, state = run_results(tmp_path, "lin")
     assert [r["lr"] for r in metrics] == pytest.approx([LR, LR / 2])
     assert state["global_step"] == 2 and state["world_size"] == 2
@@ -158,7 +170,7 @@ def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(tmp_pat
     assert len(lrs) == 20 and lrs == pytest.approx([r["lr"] for r in by_steps])
     assert lrs[10] == pytest.approx(LR) and lrs[9] < LR * 0.05  # the restart
 
-    process = trainer_process(tmp_path, trigger_word=None, train={"lr": LR, "steps": 20, **schedule},
+    process = trainer_process(tmp_path, trigger_word=None, train={"lr": LR, "steps": 20, **SCHEDULE},
                               datasets=[{"folder_path": str(tmp_path / "data_51"), "resolution": [32]}])
     config, path = load_config(str(write_job(tmp_path / "one.yaml", "one", process)), registry)
     get_job(config, path, registry).run()
