@@ -412,6 +412,12 @@ def test_files_are_served_only_from_inside_run_folders(world):
         status, _ = client.get(path)
         assert 400 <= status < 500, path
     assert client.get("/runs/finished/files/config.yaml")[0] == 200
+    sample = world.root / "finished" / "samples" / "step_000000002_0.png"
+    status, body, response = client.request("GET", "/runs/finished/files/samples/step_000000002_0.png",
+                                            headers={"Range": "bytes=8-23"})
+    assert status == 206 and body == sample.read_bytes()[8:24]
+    assert response.getheader("Content-Range") == f"bytes 8-23/{sample.stat().st_size}"
+    assert client.request("GET", "/runs/finished/files/config.yaml", headers={"Range": "bytes=999999-"})[0] == 416
     status, _, response = client.request("GET", "/runs/finished/files/report.html")
     assert status == 200 and "sandbox" in response.getheader("Content-Security-Policy")
 

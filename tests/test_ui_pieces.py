@@ -273,3 +273,14 @@ def test_a_second_dashboard_takes_the_queue_over_when_the_first_ends(tmp_path, r
     finally:
         first.stop()
         second.stop()
+
+
+def test_byte_ranges_as_video_players_ask_for_them():
+    from toolkit.ui.server import byte_range
+
+    assert byte_range("bytes=0-9", 50) == (0, 9)
+    assert byte_range("bytes=40-", 50) == (40, 49) and byte_range("bytes=-5", 50) == (45, 49)
+    assert byte_range("bytes=10-1000", 50) == (10, 49)  # clipped to the file
+    assert byte_range("bytes=50-", 50) is None and byte_range("bytes=-0", 50) is None  # nothing there: 416
+    for whole in ("items=0-1", "bytes=0-1,4-5", "bytes=3-2", "bytes=x-"):  # not taken: the whole file
+        assert byte_range(whole, 50) == (0, 49)

@@ -194,7 +194,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_file(self, path: Path, set_cookie: bool = False, policy: str = PAGE_POLICY) -> None:
         """The file as it is when opened: exactly the bytes its size says then (a file that grows meanwhile, e.g.
-        metrics.jsonl, sends what it had)."""
+        metrics.jsonl, sends what it had). One byte range (`Range: bytes=A-B`, `A-`, `-N`) is answered with 206, as
+        players ask for videos (Safari plays an mp4 only so)."""
         kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         if kind.startswith("text/") or kind in ("application/javascript", "application/json"):
             kind += "; charset=utf-8"
@@ -204,9 +205,19 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(HTTPStatus.NOT_FOUND, "no such file") from err
         with handle:
             size = os.fstat(handle.fileno()).st_size
-            self.send_response(HTTPStatus.OK)
+            wanted = self.headers.get("Range")
+            chosen = (0, size - 1) if wanted is None else byte_range(wanted, size)
+            if chosen is None:
+                raise ApiError(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, f"no such byte range of {size} bytes: "
+                               f"{wanted}")
+            first, last = chosen
+            partial = wanted is not None and (first, last) != (0, size - 1)
+            self.send_response(HTTPStatus.PARTIAL_CONTENT if partial else HTTPStatus.OK)
             self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(size))
+            self.send_header("Content-Length", str(last - first + 1))
+            self.send_header("Accept-Ranges", "bytes")
+            if partial:
+                self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
             self.send_header("Cache-Control", "no-cache")
             if set_cookie:
                 self.send_header("Set-Cookie", f"{self.cookie_name}={self.server.token}; HttpOnly; SameSite=Strict; "
@@ -214,7 +225,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_common_headers(policy)
             self.end_headers()
             self.answered = True
-            left = size
+            handle.seek(first)
+            left = last - first + 1
             while left > 0:
                 chunk = handle.read(min(left, 1 << 20))
                 if not chunk:  # the file shrank: the client sees a short answer, the connection ends
@@ -347,6 +359,25 @@ TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{16,}$")
 
 def new_token() -> str:
     return secrets.token_urlsafe(24)
+
+
+def byte_range(header: str, size: int) -> tuple[int, int] | None:
+    """(first, last) byte that a `Range` header asks of a file of `size` bytes, None when nothing it asks for exists
+    (416). A header this server does not take (another unit, several ranges, malformed) asks for the whole file, as
+    HTTP lets a server answer it."""
+    whole = (0, size - 1)
+    match = re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header)
+    if match is None or match.groups() == ("", ""):
+        return whole
+    start, end = match.groups()
+    if not start:  # the last N bytes
+        count = int(end)
+        return (max(size - count, 0), size - 1) if count and size else None
+    first = int(start)
+    last = min(int(end), size - 1) if end else size - 1
+    if end and int(end) < first:
+        return whole  # malformed
+    return (first, last) if first < size else None
 
 
 def same_token(given: str, token: str) -> bool:
