@@ -2,7 +2,8 @@
 
 - DIFFTUNE_TEST_INTERRUPT_AFTER=N: the main process sends itself SIGINT right after update N (a real
   Ctrl-C through the real signal handler, timed deterministically);
-- DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch;
+- DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch (with DIFFTUNE_TEST_FAIL_JOB=NAME,
+  only in the job named NAME);
 - DIFFTUNE_TEST_RECORD_INDICES=DIR: every process appends the sample indices of each micro-batch to
   DIR/rank<R>.jsonl as {"job": name, "epoch": e, "indices": [...]}.
 - DIFFTUNE_TEST_CONTROL_AFTER=N:ACTION[,N:ACTION...]: right after update N the main process runs the real
@@ -67,10 +68,10 @@ def control_after(plan: dict[int, list[str]]):
     return wrapped(Monitor, "after_update", wrap)
 
 
-def fail_on_rank(rank: int):
+def fail_on_rank(rank: int, job: str | None):
     def wrap(original):
         def train_step(self, batch, epoch, micro_batch):
-            if self.accelerator.process_index == rank and micro_batch == 1:
+            if self.accelerator.process_index == rank and micro_batch == 1 and job in (None, self.job.name):
                 raise RuntimeError(f"injected failure on rank {rank}")
             return original(self, batch, epoch, micro_batch)
         return train_step
@@ -127,7 +128,8 @@ if __name__ == "__main__":
         if "DIFFTUNE_TEST_INTERRUPT_AFTER" in os.environ:
             instruments.enter_context(interrupt_after(int(os.environ["DIFFTUNE_TEST_INTERRUPT_AFTER"])))
         if "DIFFTUNE_TEST_FAIL_RANK" in os.environ:
-            instruments.enter_context(fail_on_rank(int(os.environ["DIFFTUNE_TEST_FAIL_RANK"])))
+            instruments.enter_context(fail_on_rank(int(os.environ["DIFFTUNE_TEST_FAIL_RANK"]),
+                                                   os.environ.get("DIFFTUNE_TEST_FAIL_JOB")))
         if "DIFFTUNE_TEST_CONTROL_AFTER" in os.environ:
             plan: dict[int, list[str]] = {}
             for item in os.environ["DIFFTUNE_TEST_CONTROL_AFTER"].split(","):

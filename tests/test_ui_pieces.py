@@ -284,3 +284,11 @@ def test_byte_ranges_as_video_players_ask_for_them():
     assert byte_range("bytes=50-", 50) is None and byte_range("bytes=-0", 50) is None  # nothing there: 416
     for whole in ("items=0-1", "bytes=0-1,4-5", "bytes=3-2", "bytes=x-"):  # not taken: the whole file
         assert byte_range(whole, 50) == (0, 49)
+
+
+def test_gpu_sets_must_not_share_a_device():
+    from toolkit.ui.app import gpu_set_problem
+
+    assert gpu_set_problem([]) is None and gpu_set_problem(["0,1", "2,3"]) is None
+    assert "share device 1" in gpu_set_problem(["0,1", "1,2"])
+    assert "device ids" in gpu_set_problem(["0,,1"])

@@ -137,29 +137,48 @@ def test_status_file_follows_the_step_at_most_a_second_behind(tmp_path, monkeypa
     assert seen == [0, 0, 3, 3, 3, 6, 6]
 
 
-def controlled_run(tmp_path, plan: str, steps: int = 8):
-    """A two-process run whose main process asks for `plan` (N:ACTION,...) through the real `run.py --control`."""
-    process = trainer_process(tmp_path, train={"steps": steps, "batch_size": 1},
-                              save={"save_every": 0, "max_step_saves_to_keep": 4},
-                              sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64})
-    job = write_job(tmp_path / "job.yaml", "steer", process)
-    result = launch(job, 2, tmp_path, script=INSTRUMENTED, env={"DIFFTUNE_TEST_CONTROL_AFTER": plan})
-    return result, tmp_path / "output" / "steer"
+@pytest.fixture(scope="module")
+def steered_then_failed(tmp_path_factory):
+    """One two-process launch (a launch costs two interpreters' imports): `steer`, whose main process asks for a
+    save after update 2 and a sample after update 3 through the real `run.py --control` and then trains on to its
+    end; then `fail`, whose process 1 raises in its second micro-batch."""
+    tmp = tmp_path_factory.mktemp("steer")
+    steer = trainer_process(tmp, train={"steps": 8, "batch_size": 1}, save={"save_every": 0, "max_step_saves_to_keep": 4},
+                            sample={"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64})
+    fail = trainer_process(tmp, train={"steps": 20})
+    files = [write_job(tmp / "steer.yaml", "steer", steer), write_job(tmp / "fail.yaml", "fail", fail)]
+    result = launch(files[0], 2, tmp, script=INSTRUMENTED, extra_jobs=[str(files[1])], timeout=300,
+                    env={"DIFFTUNE_TEST_CONTROL_AFTER": "2:save,3:sample", "DIFFTUNE_TEST_FAIL_RANK": "1",
+                         "DIFFTUNE_TEST_FAIL_JOB": "fail"})
+    return tmp / "output", result
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_control_save_and_sample_act_once_and_stop_ends_with_a_checkpoint(tmp_path):
-    """On two processes (the main one reads the requests, both act on the agreed decision); a one-process run acts
-    on the dashboard's requests in tests/test_ui.py."""
-    result, run_dir = controlled_run(tmp_path, "2:save,3:sample,5:stop")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000002", "step_000000005"]
-    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_000000003_0.png"]
+def test_control_save_and_sample_act_once_on_two_processes(steered_then_failed):
+    """The main process reads the requests, both act on the agreed decision, each once; a one-process run acts on
+    the dashboard's requests, stop included, in tests/test_ui.py (and a two-process stop is Ctrl-C's, in
+    tests/test_resume.py)."""
+    output, result = steered_then_failed
+    run_dir = output / "steer"
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, 9)), result.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000002", "step_000000008"]
+    # the requested one, and the end's (sample_every 0: samples at the end only)
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_000000003_0.png", "step_000000008_0.png"]
     assert not list((run_dir / "control").iterdir())  # every request was acted on and removed
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
-    assert not (run_dir / "steer.safetensors").exists()  # stopped, not finished: resume continues it
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_failing_process_ends_the_launch_and_the_run_says_failed(steered_then_failed):
+    """One rank raising must not leave the others waiting at a barrier: the launch fails, naming the error."""
+    output, result = steered_then_failed
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr
+    # the main process said how the run ended (its own error: the lost peer; the failing rank's is in the log)
+    assert json.loads((output / "fail" / "status.json").read_text())["state"] == "failed"
+    assert run.main(["--status", str(output / "fail")]) == 1
 
 
 def test_control_refuses_unknown_actions_and_folders(tmp_path):
