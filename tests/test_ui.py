@@ -26,7 +26,7 @@ from helpers import REPO, run_job, trainer_process
 
 from toolkit.config.loader import ConfigError
 from toolkit.run import control
-from toolkit.ui.jobs import JobQueue, QueueRunner
+from toolkit.ui.jobs import QUEUE_DIR, JobQueue, QueueRunner, processes_running
 from toolkit.ui.server import Dashboard
 
 pytestmark = pytest.mark.slow
@@ -225,19 +225,6 @@ def browser(world):
     driver.quit()
 
 
-def processes_running(job_id: str) -> list[int]:
-    """The pids whose command line names a queued job's file."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if job_id in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 # ---- API ---------------------------------------------------------------------------------------------------------
 
 
@@ -248,7 +235,8 @@ def test_a_dashboard_restart_keeps_the_queue_and_never_restarts_or_duplicates_a_
     assert [job["state"] for job in record["after"]] == ["running", "queued", "queued"]
     assert record["after"][0]["pid"] == record["before"][0]["pid"]  # the same process, watched again
     assert record["started_at_after"] == record["started_at"]  # not started again
-    assert processes_running(world.jobs["alpha"]) == [record["after"][0]["pid"]]  # and only once
+    alpha_file = world.root / QUEUE_DIR / record["after"][0]["file"]
+    assert processes_running(alpha_file) == [record["after"][0]["pid"]]  # and only once
     assert world.status("beta") is None  # nothing overtook the running job
 
 

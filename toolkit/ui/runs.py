@@ -9,6 +9,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 from toolkit.run.control import STATUS_FILE, run_state
 from toolkit.run.report import PLAN_FILE, SAMPLE_NAME, sample_prompt
@@ -86,11 +87,12 @@ class MetricsTail:
                 chunk = handle.read(stat.st_size - self.offset)
             complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits for its newline
             for line in complete.splitlines():
-                if line.strip():
-                    try:
-                        self.records.append(json.loads(line))
-                    except ValueError:
-                        continue
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int):  # a metrics line, not a stray one
+                    self.records.append(record)
             self.offset += len(complete)
         return self.records
 
@@ -109,26 +111,28 @@ class RunReader:
         return find_runs(self.root)
 
     def metrics(self, folder: Path) -> tuple[list[dict], str]:
-        """The run's metrics lines, and the identity of the file they came from (it changes when a resume rewrites
-        the file: a page that follows the run starts its curves again)."""
+        """The run's metrics lines (the reader's own list: read it, do not change it), and the identity of the file
+        they came from (it changes when a resume rewrites the file: a page that follows the run starts its curves
+        again)."""
         with self._lock:
             tail = self._tails.setdefault(folder, MetricsTail())
             records = tail.read(folder / "metrics.jsonl")
-            identity = "" if tail.identity is None else f"{tail.identity[0]}:{tail.identity[1]}"
-            return [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)], identity
+            return records, "" if tail.identity is None else f"{tail.identity[0]}:{tail.identity[1]}"
 
     def summary(self, name: str) -> dict:
         """One row of the runs page: state, step of total, last loss, speed, ETA, last sample."""
         folder = run_folder(self.root, name)
-        found = run_state(folder)
         records, _ = self.metrics(folder)
+        return self.summarize(name, folder, records, last_sample_url(folder, name))
+
+    def summarize(self, name: str, folder: Path, records: list[dict], thumbnail: str | None) -> dict:
+        found = run_state(folder)
         status = found.status
         last = records[-1] if records else {}
         step = max(status.step if status else 0, last.get("step", 0))
         total = status.total if status and status.total else plan_total(folder)
         seconds = last.get("time")
         running = found.state == "running"
-        samples = self.samples(folder, name)
         return {
             "name": name,
             "state": found.state,
@@ -144,7 +148,7 @@ class RunReader:
             "pid": status.pid if status else None,
             "last_error": status.last_error if status else None,
             "checkpoint": found.checkpoint.name if found.checkpoint else None,
-            "thumbnail": samples[-1]["url"] if samples else None,
+            "thumbnail": thumbnail,
         }
 
     def detail(self, name: str, since: int | None) -> dict:
@@ -153,14 +157,15 @@ class RunReader:
         folder = run_folder(self.root, name)
         records, identity = self.metrics(folder)
         last_step = records[-1]["step"] if records else 0
+        samples = self.samples(folder, name)
         return {
             "metrics_id": identity,
-            "summary": self.summary(name),
+            "summary": self.summarize(name, folder, records, samples[-1]["url"] if samples else None),
             "plan": read_json(folder / PLAN_FILE),
             "config": read_text(folder / "config.yaml"),
             "metrics": [r for r in records if since is None or r.get("step", 0) > since],
             "last_step": last_step,
-            "samples": self.samples(folder, name),
+            "samples": samples,
         }
 
     def samples(self, folder: Path, name: str) -> list[dict]:
@@ -176,7 +181,7 @@ class RunReader:
                 found.append({"step": int(match.group(1)), "index": int(match.group(2)),
                               "kind": "video" if match.group(3) == "mp4" else "image",
                               "prompt": self.prompt(path),
-                              "url": f"/runs/{quote_name(name)}/files/samples/{path.name}"})
+                              "url": sample_url(name, path.name)})
         found.sort(key=lambda s: (s["step"], s["index"]))
         return found
 
@@ -191,10 +196,16 @@ class RunReader:
             return self._prompts[key]
 
 
-def quote_name(name: str) -> str:
-    from urllib.parse import quote
+def last_sample_url(folder: Path, name: str) -> str | None:
+    """The URL of the run's newest sample (highest step, then prompt), from the file names alone."""
+    found = [(int(m.group(1)), int(m.group(2)), path.name) for path in (folder / "samples").glob("step_*")
+             if (m := SAMPLE_NAME.match(path.name))]
+    return sample_url(name, max(found)[2]) if found else None
 
-    return quote(name, safe="")
+
+def sample_url(name: str, file_name: str) -> str:
+    """Where the dashboard serves a run's sample (the run's name as one URL segment)."""
+    return f"/runs/{quote(name, safe='')}/files/samples/{file_name}"
 
 
 def last_value(records: list[dict], key: str) -> float | None:
