@@ -216,13 +216,15 @@ def straight_and_resumed(tmp_path: Path, process: dict) -> tuple[Path, Path]:
 
 
 def assert_same_training(straight: Path, resumed: Path) -> None:
-    """Per update the same step, loss, LR and epoch, and the same final LoRA files, bit for bit."""
+    """Per update the same step, loss, LR, epoch and validation loss, and the same final LoRA files (the EMA's
+    included), bit for bit."""
     from safetensors.torch import load_file
 
     from toolkit.run.metrics import read_metrics
 
     def per_update(run_dir: Path) -> list[tuple]:
-        return [(r["step"], r["loss"], r["lr"], r["epoch"]) for r in read_metrics(run_dir / "metrics.jsonl")]
+        return [(r["step"], r.get("loss"), r.get("lr"), r["epoch"], r.get("val_loss"))
+                for r in read_metrics(run_dir / "metrics.jsonl")]
 
     assert per_update(resumed) == per_update(straight)
     # every final file: <name>.safetensors, and one per expert where a family writes them (<name>_high_noise...)

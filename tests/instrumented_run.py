@@ -4,8 +4,8 @@
   Ctrl-C through the real signal handler, timed deterministically);
 - DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch (with DIFFTUNE_TEST_FAIL_JOB=NAME,
   only in the job named NAME);
-- DIFFTUNE_TEST_RECORD_INDICES=DIR: every process appends the sample indices of each micro-batch to
-  DIR/rank<R>.jsonl as {"job": name, "epoch": e, "indices": [...]}.
+- DIFFTUNE_TEST_RECORD_INDICES=DIR: every process appends the sample indices of each micro-batch, and their files, to
+  DIR/rank<R>.jsonl as {"job": name, "epoch": e, "indices": [...], "paths": [...]}.
 - DIFFTUNE_TEST_CONTROL_AFTER=N:ACTION[,N:ACTION...]: right after update N the main process runs the real
   `python run.py --control RUN_FOLDER ACTION` in a subprocess (as a user in another terminal would).
 - DIFFTUNE_TEST_RECORD_LORA=DIR: when training ends, every process writes its trained adapter weights (every
@@ -47,8 +47,8 @@ def wrapped(cls: type, name: str, wrap):
 
 def interrupt_after(step: int):
     def wrap(original):
-        def after_update(self, update, readings):
-            original(self, update, readings)
+        def after_update(self, update, readings, evaluated=None):
+            original(self, update, readings, evaluated)
             if update.step == step and self.is_main:
                 os.kill(os.getpid(), signal.SIGINT)
         return after_update
@@ -58,8 +58,8 @@ def interrupt_after(step: int):
 
 def control_after(plan: dict[int, list[str]]):
     def wrap(original):
-        def after_update(self, update, readings):
-            original(self, update, readings)
+        def after_update(self, update, readings, evaluated=None):
+            original(self, update, readings, evaluated)
             for action in plan.get(update.step, []) if self.is_main else []:
                 subprocess.run([sys.executable, str(Path(run.__file__)), "--control", str(self.folder.root), action],
                                check=True, capture_output=True)
@@ -82,7 +82,8 @@ def fail_on_rank(rank: int, job: str | None):
 def record_indices(folder: Path):
     def wrap(original):
         def train_step(self, batch, epoch, micro_batch):
-            line = json.dumps({"job": self.job.name, "epoch": epoch, "indices": batch["indices"]})
+            paths = [str(self.data.dataset.items[i].record.path) for i in batch["indices"]]
+            line = json.dumps({"job": self.job.name, "epoch": epoch, "indices": batch["indices"], "paths": paths})
             with (folder / f"rank{self.accelerator.process_index}.jsonl").open("a") as handle:
                 handle.write(line + "\n")
             return original(self, batch, epoch, micro_batch)

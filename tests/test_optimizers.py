@@ -15,6 +15,8 @@ from toolkit.config.schema import DatasetConfig
 from toolkit.data.dataset import build_dataset, load_pixels
 from toolkit.run import checkpoint
 from toolkit.run.metrics import read_metrics
+from toolkit.train.optimizer_params import OPTIMIZER_PARAMS
+from toolkit.train.optimizers import accepted_params
 from toolkit.train.optimizers.adafactor import BoundedAdafactor
 
 
@@ -104,7 +106,7 @@ def test_resume_applies_a_new_max_lr(tmp_path, caplog):
     ({"optimizer": "adafactor", "lr": 1e-3}, "a manual `lr` is ambiguous"),
     ({"optimizer": "adafactor", "lr_scheduler": "cosine"}, "an LR schedule or warmup would not apply"),
     ({"optimizer": "adamw", "lr": 0}, "`lr` must be above 0"),
-    ({"optimizer": "sgd"}, "Input should be 'adamw', 'adamw8bit', 'lion8bit' or 'adafactor'"),
+    ({"optimizer": "sgd"}, "Input should be 'adamw', 'adamw8bit', 'lion8bit', 'adafactor', 'prodigy' or 'schedulefree_adamw'"),
     ({"optimizer": "adafactor", "optimizer_params": {"max_lrr": 1}}, "max_lrr not accepted by adafactor"),
 ])
 def test_optimizer_choices_are_checked_with_the_config(tmp_path, registry, train, message):
@@ -150,3 +152,10 @@ def test_8bit_optimizers_explain_when_bitsandbytes_cannot_run(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_bitsandbytes)
     with pytest.raises(RuntimeError, match="adamw8bit needs bitsandbytes, which cannot run here .*use optimizer: adamw"):
         optimizer_class("adamw8bit")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_PARAMS))
+def test_the_table_of_optimizer_params_is_what_each_optimizer_takes(name):
+    """The config checks `optimizer_params` against a table (no optimizer library loads then): it must equal the
+    installed optimizer's real keyword arguments."""
+    assert OPTIMIZER_PARAMS[name] == accepted_params(name)

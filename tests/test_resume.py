@@ -179,7 +179,7 @@ def test_resume_stays_exact_with_both_caches_and_shuffled_tokens(tmp_path):
     process = resume_process(tmp_path, steps=8, cache_text_embeddings=True)
     for dataset in process["datasets"]:
         dataset.update(cache_latents_to_disk=True, cache_dir=str(tmp_path / "cache"), shuffle_tokens=True,
-                       caption_dropout_rate=0.2)
+                       caption_dropout_rate=0.2, token_dropout_rate=0.2)
     straight = write_job(tmp_path / "a.yaml", "cached_a", process)
     assert run.main([str(straight)]) == 0
     stopped = write_job(tmp_path / "b.yaml", "cached_b", process)

@@ -272,3 +272,12 @@ def test_an_assistant_lora_per_expert_merges_into_its_expert(tmp_path, tiny_cach
     (tmp_path / "plain.safetensors").write_bytes((tmp_path / "assist_high_noise.safetensors").read_bytes())
     with pytest.raises(UserError, match="_high_noise.safetensors and <x>_low_noise"):
         load("tiny-wan2.2-a14b", assistant_lora_path=str(tmp_path / "plain.safetensors"))
+
+
+def test_the_validation_loss_covers_the_noise_levels_of_the_trained_experts(tiny_cache):
+    both = load("tiny-wan2.2-a14b")
+    boundary = both.boundary_ratio
+    assert both.trains_noise_level(boundary + 0.01) and both.trains_noise_level(0.01)
+    low_only = load("tiny-wan2.2-a14b", experts=["low_noise"])
+    assert low_only.trains_noise_level(boundary - 0.01) and not low_only.trains_noise_level(boundary + 0.01)
+    assert load("tiny").trains_noise_level(0.99)

@@ -37,10 +37,19 @@ from toolkit.run.folder import RunFolder
 from toolkit.run.monitor import Monitor, UpdateValues
 from toolkit.run.sampling import Sampler, SampleRenderer
 from toolkit.run.signals import GracefulStop
+from toolkit.train.ema import LoraEMA
 from toolkit.train.lr_schedulers import build_lr_scheduler
 from toolkit.train.objective import DiffusionObjective, StepDraw
-from toolkit.train.optimizers import build_optimizer, logged_lr, update_rms
+from toolkit.train.optimizers import (
+    build_optimizer,
+    evaluation_weights,
+    logged_lr,
+    optimizer_figures,
+    start_training,
+    update_rms,
+)
 from toolkit.train.plan import Position, TrainingPlan, accumulation_window
+from toolkit.train.validation import HeldOut, Validation, in_eval_mode, read_held_out
 
 log = logging.getLogger("difftune")
 
@@ -113,6 +122,10 @@ class BaseSDTrainProcess(BaseProcess):
         # the data is read first: a bad dataset is named before minutes of model loading
         facts = cfg.model.facts
         scanned = scan_datasets(cfg.datasets, cfg.trigger_word, facts.frame_step, facts.title)
+        held_out = None
+        if cfg.validation is not None:  # a split's samples leave the training data here
+            scanned, held_out = read_held_out(cfg.validation, cfg.datasets, scanned, cfg.train.seed, cfg.trigger_word,
+                                              facts.frame_step, facts.title)
         self.adapter = self.load_model()
         self.param_groups = self.add_network()
         self.lora_params = [param for group in self.param_groups for param in group["params"]]
@@ -125,8 +138,10 @@ class BaseSDTrainProcess(BaseProcess):
                 blank = self.adapter.text.blank_prompt_embeds().to(acc.device)
         self.objective = self.make_objective(cfg.train.objective, cfg.train.seed, self.adapter, blank)
         self.data.build_caches(acc)
+        self.validation = self.make_validation(held_out) if held_out is not None else None
         self.plan = self.make_plan()
         self.optimizer = build_optimizer(cfg.train.optimization, self.param_groups)
+        self.ema = LoraEMA(cfg.train.ema, self.lora_params) if cfg.train.ema is not None else None
         self.prepare_components()
         self.lr_scheduler = build_lr_scheduler(cfg.train.lr_schedule, self.optimizer, self.plan)
         model_name = cfg.model.name_or_path if cfg.save.metadata == "full" else reduce_path(cfg.model.name_or_path)
@@ -134,11 +149,21 @@ class BaseSDTrainProcess(BaseProcess):
         if renderer.enabled:
             renderer.check_size(self.adapter.divisor)
         self.sampler = Sampler(renderer, self.adapter, self.placement, self.trained_modules, self.mirrors,
-                               acc.is_main_process, cfg.logging.debug_memory)
+                               acc.is_main_process, cfg.logging.debug_memory, weights=self.sample_weights)
         self.say_which_files()
-        parts = TrainedParts(self.components, self.optimizer, self.lr_scheduler, acc.scaler)
+        parts = TrainedParts(self.components, self.optimizer, self.lr_scheduler, acc.scaler, self.ema)
         self.checkpoints = Checkpoints(acc, self.folder.checkpoints, cfg.save.max_step_saves_to_keep, parts,
                                        cfg.model_dump(mode="json"), self.lora_metadata, cfg.logging.debug_memory)
+
+    def make_validation(self, held_out: HeldOut) -> Validation:
+        """The validation part: the held-out samples encoded once (the encoders visit the accelerator for it)."""
+        cfg, acc, adapter = self.config, self.accelerator, self.adapter
+        validation = Validation(cfg.validation, held_out.items(adapter.divisor), cfg.train.objective, cfg.train.seed,
+                                adapter, sizes=adapter.facts.size_conditioning,
+                                mask_min_values=held_out.mask_min_values())
+        with self.placement.visiting(adapter.image_encoder_modules() + adapter.text_encoder_modules()):
+            validation.prepare(acc.process_index, acc.num_processes)
+        return validation
 
     def load_model(self) -> ModelAdapter:
         cfg, acc = self.config, self.accelerator
@@ -273,7 +298,12 @@ class BaseSDTrainProcess(BaseProcess):
         """Epochs of micro-batches until the plan's last update, or until every process agreed to stop."""
         for module in self.trained_modules:
             module.train()
+        start_training(self.optimizer)
+        if self.ema is not None:
+            self.ema.begin(self.position.global_step)
         with GracefulStop() as signal:  # from the start: a Ctrl-C during the step-0 samples stops cleanly too
+            if self.validation is not None and self.position.global_step == 0:
+                self.monitor.log_evaluation(0, self.position.epoch, self.validate())
             if self.config.sample.sample_at_start and self.position.global_step == 0:
                 self.monitor.sample(step=0)
             self.monitor.open_progress(self.position.global_step)
@@ -303,7 +333,8 @@ class BaseSDTrainProcess(BaseProcess):
             window, samples = [], 0
             if update is None:
                 continue
-            self.monitor.after_update(update, lambda: self.optimizer_readings(update))
+            evaluated = self.validate() if self.validation_due(update.step) else None
+            self.monitor.after_update(update, lambda: self.optimizer_readings(update), evaluated)
             self.scheduled_outputs(update.step)
             if pos.global_step >= self.plan.total_updates:
                 return False
@@ -344,6 +375,8 @@ class BaseSDTrainProcess(BaseProcess):
             return None
         self.lr_scheduler.step()
         self.position.global_step += 1
+        if self.ema is not None:
+            self.ema.after_update(self.position.global_step)
         names = list(window[0])  # every micro-batch of an update has the same parts, on every process
         means = torch.stack([torch.stack([parts[name] for parts in window]).float().mean() for name in names])
         if acc.num_processes > 1:
@@ -371,7 +404,26 @@ class BaseSDTrainProcess(BaseProcess):
         rms = update_rms(self.optimizer)
         if rms is not None:
             readings["update_rms"] = float(rms)
-        return readings
+        return readings | optimizer_figures(self.optimizer)
+
+    def validation_due(self, step: int) -> bool:
+        return self.validation is not None and self.validation.due(step, self.plan.total_updates)
+
+    def validate(self) -> dict[str, float]:
+        """The validation figures of the current weights (schedule-free: its averaged weights), on every process
+        together; the trained modules in eval mode, the global RNG untouched, not counted as training time."""
+        module = self.accelerator.unwrap_model(self.trained_module)
+        devices = [self.accelerator.device.index or 0] if self.accelerator.device.type == "cuda" else []
+        with (self.monitor.throughput.paused(), evaluation_weights(self.optimizer), in_eval_mode(self.trained_modules),
+              torch.random.fork_rng(devices=devices)):
+            return self.validation.evaluate(module, self.accelerator)
+
+    def sample_weights(self):
+        """The weights samples render with: the EMA with `sample.use_ema`, else the trained weights (schedule-free:
+        its averaged ones)."""
+        if self.config.sample.use_ema and self.ema is not None and self.ema.started:
+            return self.ema.applied()
+        return evaluation_weights(self.optimizer)
 
     def scheduled_outputs(self, step: int) -> None:
         if self.config.save.save_every and step % self.config.save.save_every == 0:
@@ -492,15 +544,23 @@ class BaseSDTrainProcess(BaseProcess):
     def write_final_loras(self) -> None:
         """<name>.safetensors in the family's primary form, and each other form `save.formats` lists beside it as
         <name>.<form>.safetensors, with the metadata `save.metadata` asks for."""
-        files = self.adapter.files
         metadata = lora_metadata(self.training_facts(self.position.global_step), self.config.save.metadata)
+        with evaluation_weights(self.optimizer):  # schedule-free: the averaged weights are the trained LoRA
+            self.write_final_forms(metadata, ema=False)
+        if self.ema is not None and self.ema.started:
+            with self.ema.applied():
+                self.write_final_forms(metadata, ema=True)
+
+    def write_final_forms(self, metadata: dict[str, str], ema: bool) -> None:
+        """Every form of every file part with the weights now in the trained parameters (`ema`: named as the EMA)."""
+        files = self.adapter.files
         parts = dict.fromkeys(c.file_part for c in self.components)  # one file per part, in order
         for part in parts:
             components = [c for c in self.components if c.file_part == part]
             for form in self.final_forms():
-                path = self.folder.final_lora_form(form, files.primary, part)
+                path = self.folder.final_lora_form(form, files.primary, part, ema=ema)
                 self.write_lora_form(form, path, metadata, components)
-                log.info("saved LoRA %s (%s form)", path, form)
+                log.info("saved %s %s (%s form)", "EMA LoRA" if ema else "LoRA", path, form)
 
     def write_lora_form(self, form: str, path: Path, metadata: dict[str, str], components) -> None:
         dtype, hashes = DTYPES[self.config.save.dtype], self.config.save.metadata != "minimal"

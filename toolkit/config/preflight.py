@@ -18,7 +18,7 @@ PATH_KEYS = ("name_or_path", "single_file_config", "image_encoder_path", "decode
 
 
 def path_problems(process: BaseModel) -> list[str]:
-    """Every missing dataset folder and local-looking configured path, each named by its key."""
+    """Every missing dataset folder (images and masks) and local-looking configured path, each named by its key."""
     problems = []
     model = getattr(process, "model", None)
     facts = getattr(model, "facts", None)  # the family's FamilyFacts (a class attribute of its config)
@@ -36,6 +36,8 @@ def path_problems(process: BaseModel) -> list[str]:
                 family = getattr(facts, "title", "") or "this model family"
                 problem += f" (its {len(clips)} clip file(s) are not used: {family} trains on images)"
             problems.append(problem)
+        if dataset.mask_path is not None and not Path(dataset.mask_path).expanduser().is_dir():
+            problems.append(f"datasets[{index}].mask_path: folder not found: {dataset.mask_path}")
     sections = [("model", model)] + [(f"model.{name}", getattr(model, name)) for name in ("sampling",)
                                       if isinstance(getattr(model, name, None), BaseModel)]
     for prefix, section in sections:

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 from toolkit.config.base import DType, QType, Section, aka
 from toolkit.config.sections import (
     DatasetConfig,
+    EMAConfig,
     LoggingConfig,
     LRSchedulerParams,
     LRScheduleSection,
@@ -28,12 +29,14 @@ from toolkit.config.sections import (
     SaveConfig,
     TimestepParamsConfig,
     TrainConfig,
+    ValidationConfig,
 )
 from toolkit.models.config import ModelConfigBase
 from toolkit.models.registry import config_classes, family_facts
 
 __all__ = ["DType", "QType", "Section", "aka", "ModelConfig", "ModelConfigBase", "SDTrainerConfig", "JobBody", "JobConfig",
-           "NetworkConfig", "SaveConfig", "DatasetConfig", "LRSchedulerParams", "TimestepParamsConfig", "OptimizerSection", "LRScheduleSection", "ObjectiveSection", "RuntimeSection", "TrainConfig", "SampleConfig", "LoggingConfig"]
+           "NetworkConfig", "SaveConfig", "DatasetConfig", "LRSchedulerParams", "TimestepParamsConfig", "OptimizerSection", "LRScheduleSection", "ObjectiveSection", "RuntimeSection", "TrainConfig", "EMAConfig", "SampleConfig",
+           "ValidationConfig", "LoggingConfig"]
 
 #: `model`: the config class of the family `arch` names (a pydantic discriminated union)
 ModelConfig = Annotated[Union[tuple(config_classes())], Field(discriminator="arch")]
@@ -58,6 +61,8 @@ class SDTrainerConfig(Section):
     train: TrainConfig = Field(..., description="See below.")
     save: SaveConfig = Field(SaveConfig(), description="See below.")
     sample: SampleConfig = Field(SampleConfig(), description="See below.")
+    validation: ValidationConfig | None = Field(None, description="A validation loss on held-out samples; off when "
+                                                "unset. See below.")
     logging: LoggingConfig = Field(LoggingConfig(), description="See below.")
 
     @model_validator(mode="after")
@@ -86,6 +91,9 @@ class SDTrainerConfig(Section):
         if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
             problems.append(f"sample.guidance_rescale: the {arch} sampling pipeline has no guidance rescale; remove it")
         problems += self._frame_problems(facts, arch)
+        if self.sample.use_ema and self.train.ema is None:
+            problems.append("sample.use_ema: there is no EMA to render with; set train.ema (e.g. {decay: 0.999}) or "
+                            "remove sample.use_ema")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -129,15 +137,6 @@ class SDTrainerConfig(Section):
                             "use the comfy or diffusers form, which hold the UNet and the text encoders")
         if problems:
             raise ValueError("; ".join(problems))
-        return self
-
-    @model_validator(mode="after")
-    def _token_dropout_needs_captions(self) -> SDTrainerConfig:
-        if self.train.cache_text_embeddings:
-            bad = [i for i, d in enumerate(self.datasets) if d.token_dropout_rate > 0]
-            if bad:
-                raise ValueError(f"datasets[{bad[0]}].token_dropout_rate drops caption words, which cached text "
-                                 "embeddings no longer have; turn off train.cache_text_embeddings or the dropout")
         return self
 
     @field_validator("device")

@@ -111,17 +111,19 @@ class DatasetConfig(Section):
                              json_schema_extra=aka("repeats", "num_repeat"))
     is_reg: bool = Field(False, description="Regularisation images: the trigger word is not added.")
     shuffle_tokens: bool = Field(False, description="Shuffle the comma-separated caption segments every epoch, "
-                                 "keeping the first `keep_tokens` in place. With cached text embeddings the "
-                                 "cached token positions are permuted instead.",
+                                 "keeping the first `keep_tokens` in place; a segment holding the trigger word "
+                                 "keeps its place too. With cached text embeddings each segment's cached token "
+                                 "embeddings move as a whole, in the order uncached captions get (docs/models.md, "
+                                 "Caption views).",
                                  json_schema_extra=aka("shuffle_caption"))
     keep_tokens: int = Field(1, ge=0, description="Leading caption segments that shuffling and token dropout "
-                             "leave alone.")
+                             "leave alone, cached text embeddings or not.")
     caption_dropout_rate: float = Field(0.0, ge=0, le=1, description="Probability that a sample's caption is "
                                         "replaced by the blank prompt.",
                                         json_schema_extra=aka("caption_dropout", "caption_dropout_probability"))
     token_dropout_rate: float = Field(0.0, ge=0, le=1, description="Probability that each caption segment "
-                                      "after the kept ones is dropped (never the trigger word's). Needs "
-                                      "uncached text embeddings.")
+                                      "after the kept ones is dropped (never the trigger word's). With cached "
+                                      "text embeddings the segment's cached token embeddings are left out.")
     cache_latents: bool = Field(False, description="Encode every image once before training and keep the "
                                 "latents in memory (every process encodes all of them).")
     cache_latents_to_disk: bool = Field(False, description="Encode every image once and keep the latents in "
@@ -138,6 +140,22 @@ class DatasetConfig(Section):
     short_clips: Literal["refuse", "loop"] = Field(
         "refuse", description="A clip with fewer than `num_frames` frames (at `fps`): `refuse` stops with its name, "
         "`loop` reads it round again from its start.")
+    flip_x: bool = Field(False, description="Mirror each sample left-right with probability 1/2 (after its crop), "
+                         "drawn per (seed, epoch, sample): the same on any process count and after a resume. A latent "
+                         "cache keeps one entry per variant it has seen: a new one is encoded when first drawn (the "
+                         "image encoder stays on the device).", json_schema_extra=aka("flip_aug", "random_flip"))
+    flip_y: bool = Field(False, description="Mirror each sample top-bottom with probability 1/2, drawn like `flip_x`.")
+    random_crop: bool = Field(False, description="Crop each sample from its resized image at a place drawn per (seed, "
+                              "epoch, sample) instead of the centre (an image whose aspect matches its bucket has "
+                              "one place only; SDXL is told the place). Cached like `flip_x`.")
+    mask_path: str | None = Field(None, description="Folder of grayscale masks named like the images (any image "
+                                  "extension): white trains, black is left out. Each mask follows its image's resize, "
+                                  "crop and flips, is area-resized to the latent grid and weights the per-element "
+                                  "loss; a sample's loss is the mean over the area it trains. It travels with the "
+                                  "latent cache. A sample without a mask trains everywhere (one warning names them).",
+                                  json_schema_extra=aka("mask_folder", "alpha_mask"))
+    mask_min_value: float = Field(0.0, ge=0, le=1, description="Mask values are raised to at least this (0-1): the "
+                                  "masked-out areas keep this much weight.")
 
     @field_validator("resolution", mode="before")
     @classmethod
@@ -156,7 +174,7 @@ class DatasetConfig(Section):
     def _no_dot(cls, value: str) -> str:
         return value.lstrip(".")
 
-    @field_validator("folder_path", "cache_dir")
+    @field_validator("folder_path", "cache_dir", "mask_path")
     @classmethod
     def _expanded(cls, value: str | None) -> str | None:
         """`~` and `$VARS` expanded once here, so the pre-run check and the loader read the same folder."""
@@ -195,10 +213,11 @@ class TimestepParamsConfig(Section):
 class OptimizerSection(Section):
     """The optimizer (what `build_optimizer` takes)."""
 
-    optimizer: Literal["adamw", "adamw8bit", "lion8bit", "adafactor"] = Field(
+    optimizer: Literal["adamw", "adamw8bit", "lion8bit", "adafactor", "prodigy", "schedulefree_adamw"] = Field(
         "adamw", description="Optimizer (docs/optimizers.md).", json_schema_extra=aka("optimizer_type"))
     lr: float = Field(1e-4, ge=0, description="Peak learning rate (unset or 0 with relative-step Adafactor, "
-                      "which picks its own).", json_schema_extra=aka("learning_rate", "unet_lr"))
+                      "which picks its own; with prodigy a multiplier of the step size it estimates, default 1.0).",
+                      json_schema_extra=aka("learning_rate", "unet_lr"))
     text_encoder_lr: float | None = Field(
         None, ge=0, description="Peak learning rate of the text-encoder LoRA (`network.train_text_encoder`); "
         "default `lr`. The schedule scales it by the same factor as `lr` at every update (with `polynomial`, its end "
@@ -209,6 +228,14 @@ class OptimizerSection(Section):
     )
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 disables clipping.",
                                  json_schema_extra=aka("clip_grad_norm"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prodigy_lr_default(cls, data: Any) -> Any:
+        """Prodigy's `lr` multiplies the step size it estimates: unset, it is 1.0 (not an Adam-style LR)."""
+        if isinstance(data, dict) and data.get("optimizer") == "prodigy" and "lr" not in data:
+            return {**data, "lr": 1.0}
+        return data
 
     @property
     def text_lr(self) -> float:
@@ -282,6 +309,17 @@ class RuntimeSection(Section):
                                      json_schema_extra=aka("persistent_data_loader_workers"))
 
 
+class EMAConfig(Section):
+    """An exponential moving average of the trained weights (`train.ema`)."""
+
+    decay: float = Field(0.999, gt=0, lt=1, description="Each EMA update keeps this share of the average: "
+                         "ema = decay x ema + (1 - decay) x weights.", json_schema_extra=aka("ema_decay"))
+    update_every: int = Field(1, ge=1, description="Update the average every N optimizer updates.",
+                              json_schema_extra=aka("ema_update_interval"))
+    start_step: int = Field(0, ge=0, description="The average starts as a copy of the weights after this update "
+                            "and follows them from then on.")
+
+
 class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, RuntimeSection):
     """The optimisation loop. A `step` is one optimizer update everywhere. The keys stand side by side in the job
     file; each consumer takes its own group (`optimization`, `lr_schedule`, `objective`, `runtime`)."""
@@ -307,6 +345,9 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
     )
     overwrite: bool = Field(False, description="Start over in a run folder that already holds a finished "
                             "LoRA or checkpoints (they are removed). Implies no resume.")
+    ema: EMAConfig | None = Field(None, description="Keep an exponential moving average of the trained weights, "
+                                  "written as <name>.ema.safetensors (and its other forms) beside the LoRA and kept "
+                                  "in checkpoints; off when unset.")
 
 
     @property
@@ -341,6 +382,27 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
                             "set optimizer_params.relative_step: false")
         return problems
 
+    def _learning_rate_free_problems(self) -> list[str]:
+        """Prodigy and schedule-free take the LR settings in their own way (docs/optimizers.md)."""
+        problems = []
+        if self.optimizer == "prodigy":
+            if self.lr < 0.1:
+                problems.append(f"prodigy: `lr` multiplies the step size Prodigy estimates itself (usually 1.0); "
+                                f"{self.lr} looks like an Adam learning rate and would barely train. Remove `lr` or "
+                                "set it near 1.0")
+            if self.text_encoder_lr not in (None, 0, self.lr):
+                problems.append("prodigy: one step size for all parameters; `text_encoder_lr` may only equal `lr` "
+                                "(or be 0 to hold the text encoders still)")
+        if self.optimizer == "schedulefree_adamw":
+            if self.lr_scheduler not in ("constant", "constant_with_warmup"):
+                problems.append(f"schedulefree_adamw replaces the LR schedule (it averages the weights instead of "
+                                f"decaying the LR): use lr_scheduler constant or constant_with_warmup, not "
+                                f"{self.lr_scheduler}")
+            if "warmup_steps" in self.optimizer_params and (self.lr_warmup_steps or self.lr_warmup_ratio):
+                problems.append("schedulefree_adamw: give the warmup once, as `lr_warmup_steps` (or "
+                                "optimizer_params.warmup_steps), not both")
+        return problems
+
     @field_validator("resume")
     @classmethod
     def _auto_or_path(cls, value: bool | str) -> bool | str:
@@ -360,6 +422,7 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
                             f"({self.lr})")
         problems += optimizer_param_problems(self.optimizer, self.optimizer_params)
         problems += self._relative_step_problems()
+        problems += self._learning_rate_free_problems()
         low, high = self.timestep_range
         if not 0 <= low < high <= 1:
             problems.append(f"`timestep_range` must be [min, max] with 0 <= min < max <= 1, got {self.timestep_range}")
@@ -368,6 +431,36 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+class ValidationConfig(Section):
+    """A validation loss: held-out samples at fixed noise and timesteps, so the value changes only when the
+    weights do."""
+
+    folder_path: str | None = Field(None, description="A folder of held-out images (and captions), read with "
+                                    "datasets[0]'s settings (resolution, caption extension, default caption; the "
+                                    "trigger word applied).", json_schema_extra=aka("validation_data_dir"))
+    split: float | None = Field(None, gt=0, lt=1, description="Instead of a folder: this fraction of the training "
+                                "datasets' images (at least one), chosen by `train.seed` and left out of training.",
+                                json_schema_extra=aka("validation_split"))
+    every: int = Field(100, ge=1, description="Evaluate every N optimizer updates (and before the first and after "
+                       "the last).", json_schema_extra=aka("validation_steps", "eval_every"))
+    batch_size: int = Field(4, ge=1, description="Samples per evaluation batch per process.")
+    timesteps: int = Field(6, ge=1, le=64, description="Noise levels per sample: u = (k + 0.5) / N for k < N, the "
+                           "same for every sample and evaluation; logged as `val_loss` and per third of the range "
+                           "(`val_loss_low`, `val_loss_mid`, `val_loss_high`: u below 1/3, to 2/3, above).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ValidationConfig:
+        if (self.folder_path is None) == (self.split is None):
+            raise ValueError("give `folder_path` (a held-out folder) or `split` (a fraction of the training data), "
+                             "one of them")
+        return self
+
+    @field_validator("folder_path")
+    @classmethod
+    def _expanded(cls, value: str | None) -> str | None:
+        return None if value is None else os.path.expandvars(os.path.expanduser(value.strip()))
 
 
 class SampleConfig(Section):
@@ -396,6 +489,8 @@ class SampleConfig(Section):
                                    json_schema_extra=aka("frames"))
     fps: float | None = Field(None, gt=0, description="Video families: frame rate the sample videos are written at; "
                               "default per family: wan 16 (Wan 2.2 TI2V-5B 24).")
+    use_ema: bool = Field(False, description="Render samples with the EMA weights (`train.ema`) instead of the "
+                          "live ones; training is not disturbed.")
     guidance_rescale: float | None = Field(None, ge=0, le=1, description="Rescale the guided prediction toward the "
                                            "conditional one's spread (0.7 is usual with v-prediction and zero "
                                            "terminal SNR); families whose pipeline takes it (sd15, sdxl).",

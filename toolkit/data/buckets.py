@@ -41,8 +41,25 @@ def resolutions_for_image(width: int, height: int, resolutions: list[int]) -> li
     return fitting or [min(resolutions)]
 
 
+class EpochIndex(int):
+    """A sample index that carries the epoch it is loaded for (`.epoch`). It is an int everywhere an index is read;
+    the dataset reads the epoch from it to draw that epoch's augmentation. The epoch travels inside the index because
+    a DataLoader worker holds its own copy of the dataset (kept across epochs with persistent workers), which an
+    epoch set on the main process's dataset would never reach."""
+
+    epoch: int
+
+    def __new__(cls, index: int, epoch: int) -> EpochIndex:
+        tagged = super().__new__(cls, index)
+        tagged.epoch = epoch
+        return tagged
+
+    def __reduce__(self):  # to DataLoader workers, epoch included
+        return EpochIndex, (int(self), self.epoch)
+
+
 class BucketBatchSampler:
-    """Yields lists of sample indices; each list comes from one bucket.
+    """Yields lists of sample indices (`EpochIndex`: each knows the epoch); each list comes from one bucket.
 
     The order of an epoch is a pure function of (seed, epoch): samples are shuffled inside each bucket,
     cut into batches (a bucket's last batch may be short), and the batches are shuffled together.
@@ -82,7 +99,8 @@ class BucketBatchSampler:
         return batches
 
     def __iter__(self):
-        yield from self.batches_for_epoch(self.epoch)
+        for batch in self.batches_for_epoch(self.epoch):
+            yield [EpochIndex(index, self.epoch) for index in batch]
 
     def __len__(self) -> int:
         return sum(math.ceil(len(members) / self.per_batch) for members in self.groups)

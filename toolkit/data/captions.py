@@ -1,8 +1,10 @@
-"""Caption text for a sample: the sidecar file (or the default), with the trigger word applied."""
+"""Caption text for a sample: the sidecar file (or the default), with the trigger word applied; and the views of
+it that training sees (caption and token dropout, segment shuffling), drawn per epoch and sample."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +43,82 @@ def apply_trigger(caption: str, trigger_word: str | None, is_reg: bool) -> str:
     return f"{trigger_word}, {caption}" if caption else trigger_word
 
 
+def segment_ranges(text: str) -> list[tuple[int, int]]:
+    """[start, stop) character ranges of the comma-separated segments of `text`, surrounding whitespace left out
+    and empty segments skipped (what `split_segments` returns is these ranges' text)."""
+    ranges, start = [], 0
+    for part in text.split(","):
+        stripped = part.strip()
+        if stripped:
+            first = start + len(part) - len(part.lstrip())
+            ranges.append((first, first + len(stripped)))
+        start += len(part) + 1
+    return ranges
+
+
 def split_segments(caption: str) -> list[str]:
-    return [segment.strip() for segment in caption.split(",") if segment.strip()]
+    """The caption's comma-separated segments, stripped, empty ones skipped."""
+    return [caption[start:stop] for start, stop in segment_ranges(caption)]
+
+
+def join_segments(segments: list[str]) -> str:
+    """Segments as one caption: joined by ", ", as every view of a caption is written."""
+    return ", ".join(segments)
+
+
+def canonical_caption(caption: str) -> str:
+    """The caption as its whole view is written (`join_segments`): what a cached entry encodes, so that a cached view
+    and a live one start from the same text whatever spacing or empty segments the caption file has."""
+    return join_segments(split_segments(caption))
+
+
+@dataclass(frozen=True)
+class CaptionView:
+    """One training view of a caption: the blank prompt (caption dropout), or the caption's segments
+    (indices into `split_segments(caption)`) in the order the view puts them."""
+
+    blank: bool
+    order: tuple[int, ...]
+
+
+def plan_caption_view(
+    segments: list[str],
+    generator: torch.Generator,
+    *,
+    shuffle: bool = False,
+    keep_tokens: int = 1,
+    caption_dropout_rate: float = 0.0,
+    token_dropout_rate: float = 0.0,
+    trigger_word: str | None = None,
+) -> CaptionView:
+    """Draw one view of a caption's `segments` from `generator` (keyed by seed, epoch and sample). Both caption
+    sources follow this plan: live captions join the segments it names, cached ones move the segments' token
+    positions, so the two give the same token sequences.
+
+    The draws, in this order: one for caption dropout (when `caption_dropout_rate` is set: the view is the blank
+    prompt with that probability); one per segment after the first `keep_tokens` for token dropout (when
+    `token_dropout_rate` is set: each is dropped with that probability); one permutation of the segments that may
+    move (when shuffling and more than one may). The first `keep_tokens` segments stay in place, and so does a
+    segment holding the trigger word: it is never dropped and keeps its slot among the kept segments while the
+    others are shuffled around it.
+    """
+    if caption_dropout_rate and torch.rand((), generator=generator).item() < caption_dropout_rate:
+        return CaptionView(blank=True, order=())
+    fixed = list(range(min(keep_tokens, len(segments))))
+    rest = list(range(len(fixed), len(segments)))
+
+    def holds_trigger(index: int) -> bool:
+        return bool(trigger_word) and trigger_word in segments[index]
+
+    if token_dropout_rate and rest:
+        draws = torch.rand(len(rest), generator=generator).tolist()
+        rest = [i for i, draw in zip(rest, draws) if draw >= token_dropout_rate or holds_trigger(i)]
+    slots = [slot for slot, i in enumerate(rest) if not holds_trigger(i)]
+    if shuffle and len(slots) > 1:
+        moving = [rest[slot] for slot in slots]
+        for slot, pick in zip(slots, torch.randperm(len(slots), generator=generator).tolist()):
+            rest[slot] = moving[pick]
+    return CaptionView(blank=False, order=tuple(fixed + rest))
 
 
 def process_caption(
@@ -56,21 +132,10 @@ def process_caption(
     trigger_word: str | None = None,
     blank: str = "",
 ) -> str:
-    """One training view of a caption, drawn from `generator` (keyed by seed, epoch and sample).
-
-    - caption dropout: with `caption_dropout_rate`, the whole caption becomes the blank prompt;
-    - token dropout: each comma-separated segment after the first `keep_tokens` is dropped with
-      `token_dropout_rate`;
-    - shuffle: the segments after the first `keep_tokens` are shuffled.
-    A segment holding the trigger word is never dropped.
-    """
-    if caption_dropout_rate and torch.rand((), generator=generator).item() < caption_dropout_rate:
-        return blank
+    """One training view of a caption as text (`plan_caption_view`): `blank` when caption dropout hits it, else
+    its kept comma-separated segments in the view's order (`join_segments`)."""
     segments = split_segments(caption)
-    kept, rest = segments[:keep_tokens], segments[keep_tokens:]
-    if token_dropout_rate and rest:
-        draws = torch.rand(len(rest), generator=generator).tolist()
-        rest = [s for s, d in zip(rest, draws) if d >= token_dropout_rate or (trigger_word and trigger_word in s)]
-    if shuffle and len(rest) > 1:
-        rest = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
-    return ", ".join(kept + rest)
+    view = plan_caption_view(segments, generator, shuffle=shuffle, keep_tokens=keep_tokens,
+                             caption_dropout_rate=caption_dropout_rate, token_dropout_rate=token_dropout_rate,
+                             trigger_word=trigger_word)
+    return blank if view.blank else join_segments([segments[i] for i in view.order])

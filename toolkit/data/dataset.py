@@ -1,5 +1,18 @@
 """Dataset folders with sidecar captions, bucketed by aspect ratio (and, for video families, frame count): images, and
-for video families clips too (toolkit/data/clips.py reads them)."""
+for video families clips too (toolkit/data/clips.py reads them).
+
+Augmentation (`datasets[].flip_x`, `flip_y`, `random_crop`): each sample's `Variant` (its crop offset in the resized
+image and its flips) is drawn from a generator keyed by (train seed, epoch, item index) only (`draw_variant`), so it is
+the same on any process count, in any DataLoader worker and after a resume. The batch sampler hands the epoch to the
+dataset inside each index (`buckets.EpochIndex`). A picture is resized to cover its bucket, cropped at the variant's
+offset, then mirrored; every frame of a clip alike.
+
+Loss masks (`datasets[].mask_path`): a grayscale image per sample, same base name, read as 0-1 and raised to
+`mask_min_value`, goes through the same resize, crop and mirror as its picture (`load_mask`); the objective brings it
+to the latent grid. In a job where any dataset has masks, every sample carries one (all ones where there is none).
+
+With a latent cache, a variant without an entry yet comes as pixels with the key to store it under (`latent_key`);
+the training loop encodes those rows, never a loader worker (`LatentCache.complete`)."""
 
 from __future__ import annotations
 
@@ -23,8 +36,9 @@ from toolkit.data.clips import (
     frame_indices,
     read_frames,
 )
-from toolkit.data.media import clip_files, sample_extensions, sample_files
+from toolkit.data.media import clip_files, mask_files, sample_extensions, sample_files
 from toolkit.errors import UserError
+from toolkit.train.seeding import seeded_generator
 
 EXIF_ORIENTATION = 0x0112
 log = logging.getLogger("difftune")
@@ -48,13 +62,14 @@ class ClipFrames:
 class ImageRecord:
     """One usable sample file: its size as displayed (EXIF orientation applied; a clip's frame size) and its final
     caption. `clip` is set for a clip (video families only): which of its frames the sample takes; an image has
-    none and is one frame, whatever `num_frames` says."""
+    none and is one frame, whatever `num_frames` says. `mask`: its mask file, where its dataset has masks."""
 
     path: Path
     width: int
     height: int
     caption: str
     clip: ClipFrames | None = None
+    mask: Path | None = None  # its loss mask file, in a dataset with `mask_path`
 
     @property
     def frames(self) -> int:
@@ -106,6 +121,7 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None, frame_step: int = 
     if not folder.is_dir():
         raise DatasetError(f"dataset folder not found: {folder}")
     video = frame_step > 0
+    masks = _mask_folder(cfg)
     if not video:
         ignored = clip_files(folder)
         if ignored:
@@ -122,9 +138,12 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None, frame_step: int = 
             continue
         (width, height), clip = sample
         caption = read_caption(path, cfg.caption_ext, cfg.default_caption)
-        records.append(ImageRecord(path, width, height, apply_trigger(caption, trigger_word, cfg.is_reg), clip))
+        mask = None if masks is None else masks.get(path.stem)
+        records.append(ImageRecord(path, width, height, apply_trigger(caption, trigger_word, cfg.is_reg), clip, mask))
     if short:
         raise DatasetError("\n".join(short))
+    if masks is not None:
+        _warn_unmasked(records, cfg)
     clips = [r for r in records if r.clip is not None and r.clip.info.frames > 1]
     if clips and cfg.num_frames == 1:
         log.warning("%s: %d clip(s) train as one frame each (e.g. %s): datasets[].num_frames is 1; set it (e.g. 33) "
@@ -133,6 +152,24 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None, frame_step: int = 
         kinds = "image or clip" if video else "image"
         raise DatasetError(f"dataset folder {folder} has no usable {kinds} ({', '.join(sample_extensions(video))})")
     return records
+
+
+def _mask_folder(cfg: DatasetConfig) -> dict[str, Path] | None:
+    """The dataset's mask files by base name, None without `mask_path`."""
+    if cfg.mask_path is None:
+        return None
+    folder = Path(cfg.mask_path)
+    if not folder.is_dir():
+        raise DatasetError(f"mask folder not found: {folder}")
+    return mask_files(folder)
+
+
+def _warn_unmasked(records: list[ImageRecord], cfg: DatasetConfig) -> None:
+    """One warning for the samples of a dataset with masks that have no mask file: they train everywhere."""
+    unmasked = [r for r in records if r.mask is None]
+    if unmasked:
+        log.warning("%d sample(s) of %s have no mask in %s (e.g. %s): they train everywhere", len(unmasked),
+                    cfg.folder_path, cfg.mask_path, unmasked[0].path.name)
 
 
 def _read_sample(path: Path, cfg: DatasetConfig, video: bool) -> tuple[tuple[int, int], ClipFrames | None] | None:
@@ -184,29 +221,90 @@ def crop_plan(width: int, height: int, bucket: tuple[int, int]) -> CropPlan:
     return CropPlan(resized, (resized[0] - target_w) // 2, (resized[1] - target_h) // 2)
 
 
-def image_sizes(item: TrainItem) -> torch.Tensor:
-    """The item's size facts as SDXL conditions on them (its `add_time_ids`): original height and width, the
-    crop's top and left in the resized image, target height and width. int64, shape [6]."""
+@dataclass(frozen=True)
+class SampleOptions:
+    """What a dataset varies per sample and whether it has loss masks: its `flip_x`, `flip_y`, `random_crop`,
+    `mask_path` (set or not) and `mask_min_value`."""
+
+    flip_x: bool = False
+    flip_y: bool = False
+    random_crop: bool = False
+    masked: bool = False
+    mask_min_value: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: DatasetConfig) -> SampleOptions:
+        return cls(cfg.flip_x, cfg.flip_y, cfg.random_crop, cfg.mask_path is not None, cfg.mask_min_value)
+
+    @property
+    def varies(self) -> bool:
+        """Whether its samples differ between epochs (flips or crops are drawn)."""
+        return self.flip_x or self.flip_y or self.random_crop
+
+
+#: a dataset without augmentation or masks
+PLAIN = SampleOptions()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How a sample is made from its file this epoch: the crop's left and top in the resized image, then the mirrors
+    (left-right, top-bottom) of the cropped picture."""
+
+    left: int
+    top: int
+    flip_x: bool = False
+    flip_y: bool = False
+
+
+def centre_variant(item: TrainItem) -> Variant:
+    """The centre crop, unflipped: what every sample is without augmentation."""
     plan = crop_plan(item.record.width, item.record.height, item.bucket)
+    return Variant(plan.left, plan.top)
+
+
+def draw_variant(item: TrainItem, options: SampleOptions, seed: int, epoch: int, index: int) -> Variant:
+    """The item's variant for an epoch, a pure function of (seed, epoch, item index): never of the process, the
+    micro-batch or the worker. Four uniforms are drawn whatever is switched on (flip x, flip y, crop x, crop y), so
+    turning one option on leaves the others' draws as they were. The crop's offset is uniform over the resized
+    image's slack beyond the bucket (none where the aspects match)."""
+    centre = centre_variant(item)
+    if not options.varies:
+        return centre
+    flip_x, flip_y, crop_x, crop_y = torch.rand(4, generator=seeded_generator(seed, "augment", epoch, index)).tolist()
+    left, top = centre.left, centre.top
+    if options.random_crop:
+        plan = crop_plan(item.record.width, item.record.height, item.bucket)
+        slack_x, slack_y = plan.resized[0] - item.bucket[0], plan.resized[1] - item.bucket[1]
+        left, top = min(int(crop_x * (slack_x + 1)), slack_x), min(int(crop_y * (slack_y + 1)), slack_y)
+    return Variant(left, top, options.flip_x and flip_x < 0.5, options.flip_y and flip_y < 0.5)
+
+
+def image_sizes(item: TrainItem, variant: Variant | None = None) -> torch.Tensor:
+    """The item's size facts as SDXL conditions on them (its `add_time_ids`): original height and width, the
+    crop's top and left in the resized image (where the variant cut it, before any mirror; the centre without
+    one), target height and width. int64, shape [6]."""
+    variant = variant or centre_variant(item)
     target_w, target_h = item.bucket
-    return torch.tensor([item.record.height, item.record.width, plan.top, plan.left, target_h, target_w])
+    return torch.tensor([item.record.height, item.record.width, variant.top, variant.left, target_h, target_w])
 
 
-def load_pixels(item: TrainItem) -> torch.Tensor:
-    """The image resized to cover its bucket and centre-cropped to it (`crop_plan`), float in [-1, 1]: [3, H, W]
-    for an image (and any one-frame sample), [3, F, H, W] for a clip of F frames (every frame cropped alike;
-    only this clip is decoded, only up to its last chosen frame)."""
+def load_pixels(item: TrainItem, variant: Variant | None = None) -> torch.Tensor:
+    """The image resized to cover its bucket (`crop_plan`), cropped to it where the variant says (the centre
+    without one) and mirrored as it says, float in [-1, 1]: [3, H, W] for an image (and any one-frame sample),
+    [3, F, H, W] for a clip of F frames (every frame cropped and mirrored alike; only this clip is decoded, only up
+    to its last chosen frame)."""
     if item.record.clip is not None:
-        return _clip_pixels(item)
+        return _clip_pixels(item, variant)
     try:
         with Image.open(item.record.path) as opened:
             image = ImageOps.exif_transpose(opened).convert("RGB")
     except Exception as err:
         raise DatasetError(f"cannot read image {item.record.path}: {err}") from err
-    return torch.from_numpy(_fit(image, item.bucket)).permute(2, 0, 1).div(127.5).sub(1.0)
+    return _mirrored(torch.from_numpy(_fit(image, item.bucket, variant)).permute(2, 0, 1).div(127.5).sub(1.0), variant)
 
 
-def _clip_pixels(item: TrainItem) -> torch.Tensor:
+def _clip_pixels(item: TrainItem, variant: Variant | None) -> torch.Tensor:
     try:
         frames = read_frames(item.record.path, list(item.record.clip.indices))
     except ClipError as err:
@@ -214,53 +312,105 @@ def _clip_pixels(item: TrainItem) -> torch.Tensor:
     fitted = {}  # a looped clip repeats frames: fit each source frame once
     for index, frame in zip(item.record.clip.indices, frames, strict=True):
         if index not in fitted:
-            fitted[index] = _fit(Image.fromarray(frame), item.bucket)
+            fitted[index] = _fit(Image.fromarray(frame), item.bucket, variant)
     array = np.stack([fitted[index] for index in item.record.clip.indices])
-    pixels = torch.from_numpy(array).permute(3, 0, 1, 2).div(127.5).sub(1.0)
+    pixels = _mirrored(torch.from_numpy(array).permute(3, 0, 1, 2).div(127.5).sub(1.0), variant)
     return pixels[:, 0] if pixels.shape[1] == 1 else pixels
 
 
-def _fit(image: Image.Image, bucket: tuple[int, int]) -> np.ndarray:
-    """An RGB picture resized to cover `bucket` and centre-cropped to it (`crop_plan`): float32 [H, W, 3], 0-255."""
+def load_mask(item: TrainItem, variant: Variant | None = None, min_value: float = 0.0) -> torch.Tensor:
+    """The item's loss mask, made as its pixels are (`load_pixels`): the mask file read as grayscale, 0-255 -> 0-1,
+    raised to at least `min_value`, stretched over its image (a mask of another size still covers it), resized to
+    cover the bucket, cropped and mirrored as the variant says: float32 [1, H, W]. Resized bilinearly (bicubic
+    would overshoot a mask's edges). All ones for an item without a mask file; a clip has one mask for every frame."""
+    width, height = item.bucket
+    if item.record.mask is None:
+        return torch.ones(1, height, width)
+    try:
+        with Image.open(item.record.mask) as opened:
+            gray = np.asarray(ImageOps.exif_transpose(opened).convert("L"), dtype=np.float32)
+    except Exception as err:
+        raise DatasetError(f"cannot read mask {item.record.mask}: {err}") from err
+    plane = Image.fromarray(np.maximum(gray / 255.0, np.float32(min_value)))  # a float32 plane: mode F
+    plane = plane.resize((item.record.width, item.record.height), Image.Resampling.BILINEAR)
+    return _mirrored(torch.from_numpy(_fit(plane, item.bucket, variant, Image.Resampling.BILINEAR))[None], variant)
+
+
+def _fit(picture: Image.Image, bucket: tuple[int, int], variant: Variant | None = None,
+         resample: Image.Resampling = Image.Resampling.BICUBIC) -> np.ndarray:
+    """A picture resized to cover `bucket` (`crop_plan`) and cropped to it at the variant's offset (the centre
+    without one): float32, [H, W, 3] 0-255 for an RGB picture, [H, W] for a mask plane."""
     target_w, target_h = bucket
-    plan = crop_plan(image.width, image.height, bucket)
-    image = image.resize(plan.resized, Image.Resampling.BICUBIC)
-    image = image.crop((plan.left, plan.top, plan.left + target_w, plan.top + target_h))
-    return np.asarray(image, dtype=np.float32)
+    plan = crop_plan(picture.width, picture.height, bucket)
+    left, top = (plan.left, plan.top) if variant is None else (variant.left, variant.top)
+    picture = picture.resize(plan.resized, resample)
+    picture = picture.crop((left, top, left + target_w, top + target_h))
+    return np.array(picture, dtype=np.float32)
+
+
+def _mirrored(tensor: torch.Tensor, variant: Variant | None) -> torch.Tensor:
+    """A picture [..., H, W] mirrored as the variant says (after its crop)."""
+    dims = [] if variant is None else [dim for dim, flip in ((-1, variant.flip_x), (-2, variant.flip_y)) if flip]
+    return tensor.flip(dims) if dims else tensor
 
 
 class ImageDataset(torch.utils.data.Dataset):
     """All datasets of a job as one list of items (images, and clips for video families); batches are formed by the
     bucket sampler.
 
-    With a latent cache attached, covered items come as the cached latent distribution instead of pixels
-    (no image is decoded); a batch never mixes the two (see `bucket_keys`). With `sizes` (families conditioned
-    on them, SDXL), every sample carries its `image_sizes`: from the cache entry when cached (what its latent was
-    made from), else from the crop plan; other families' batches do without.
+    An index may carry its epoch (`buckets.EpochIndex`; a plain int is epoch 0): each sample is its `Variant` for
+    that epoch (`draw_variant`, from each dataset's `SampleOptions` and the train seed) and says which
+    (`variant`). With a latent cache attached, covered items come as the cached latent distribution of that variant
+    instead of pixels (no image is decoded); a variant without an entry yet comes as pixels with `latent_key`, the
+    key to store its entry under, for the training loop to encode (`LatentCache.complete`). A batch never mixes
+    cached and uncached datasets (see `bucket_keys`). With `sizes` (families conditioned on them, SDXL), every sample
+    carries its `image_sizes`: from the cache entry when cached (what its latent was made from), else from its
+    variant; other families' batches do without. Where any dataset has masks, every sample carries a `mask`
+    [1, H, W]: in pixels with pixels, on the latent grid with a cached latent (all ones where there is no mask).
     """
 
-    def __init__(self, items: list[TrainItem], sizes: bool = False):
+    def __init__(self, items: list[TrainItem], sizes: bool = False, options: dict[int, SampleOptions] | None = None,
+                 seed: int = 0):
+        """`options`: each dataset's (by its number; `PLAIN` for the rest); `seed`: the train seed, of the draws."""
         self.items = items
         self.sizes = sizes
+        self.options = options or {}
+        self.seed = seed
+        self.masked = any(o.masked for o in self.options.values())
         self.latents = None
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, index: int) -> dict:
+    def options_for(self, dataset: int) -> SampleOptions:
+        return self.options.get(dataset, PLAIN)
+
+    def variant(self, index: int, epoch: int) -> Variant:
         item = self.items[index]
-        sample = {"caption": item.record.caption, "index": index}
-        if self.latents is not None and self.latents.covers(index):
-            dist, sizes = self.latents.get(index)
-            sample["latent_mean"] = dist.mean
-            if dist.std is not None:
-                sample["latent_std"] = dist.std
-            if self.sizes:
-                sample["image_sizes"] = sizes
-        else:
-            sample["pixels"] = load_pixels(item)
-            if self.sizes:
-                sample["image_sizes"] = image_sizes(item)
+        return draw_variant(item, self.options_for(item.dataset), self.seed, epoch, index)
+
+    def mask(self, item: TrainItem, variant: Variant) -> torch.Tensor:
+        """The item's loss mask for a variant, in pixels (`load_mask`, with its dataset's `mask_min_value`)."""
+        return load_mask(item, variant, self.options_for(item.dataset).mask_min_value)
+
+    def __getitem__(self, index: int) -> dict:
+        number = int(index)
+        item = self.items[number]
+        variant = self.variant(number, getattr(index, "epoch", 0))
+        sample = {"caption": item.record.caption, "index": number, "variant": variant}
+        cached = None
+        if self.latents is not None and self.latents.covers(number):
+            cached = self.latents.get(number, variant)
+            if cached is None:
+                sample["latent_key"] = self.latents.key(item, variant)
+        if cached is not None:
+            sample.update(self.latents.sample_fields(cached))
+            return sample
+        sample["pixels"] = load_pixels(item, variant)
+        if self.sizes:
+            sample["image_sizes"] = image_sizes(item, variant)
+        if self.masked:
+            sample["mask"] = self.mask(item, variant)
         return sample
 
     def bucket_keys(self) -> list[tuple[int, int, int, bool]]:
@@ -280,29 +430,51 @@ def scan_datasets(cfgs: list[DatasetConfig], trigger_word: str | None, frame_ste
 
 def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: int,
                   sizes: bool = False, frame_step: int = 0, family: str = "this model family",
-                  scanned: list[list[ImageRecord]] | None = None) -> ImageDataset:
+                  scanned: list[list[ImageRecord]] | None = None, seed: int = 0) -> ImageDataset:
     """`sizes`: samples carry their `image_sizes` (families conditioned on them). `frame_step`: the family's
     (`FamilyFacts.frame_step`); above 0 (a video family) clips are samples too, see `scan_folder`. `family`: its
     title, for the warning about clips an image family leaves out. `scanned`: the folders as `scan_datasets` read
-    them already (else they are read now)."""
+    them already (else they are read now). `seed`: the train seed, which the flips and crops are drawn from."""
     if scanned is None:
         scanned = scan_datasets(cfgs, trigger_word, frame_step, family)
     items: list[TrainItem] = []
     for number, (cfg, records) in enumerate(zip(cfgs, scanned, strict=True)):
         items += items_for_dataset(records, cfg, divisor, number)
-    return ImageDataset(items, sizes)
+    return ImageDataset(items, sizes, {number: SampleOptions.of(cfg) for number, cfg in enumerate(cfgs)}, seed)
+
+
+#: the fields of a pending row (a variant without a cache entry yet) that wait in `batch["pending"]` until its
+#: latent is made (`LatentCache.complete`)
+PENDING_FIELDS = ("pixels", "mask")
 
 
 def collate(samples: list[dict]) -> dict:
-    """Stack a batch; every sample must have the same fields and tensor shapes (one bucket)."""
+    """Stack a batch; every sample must have the same fields and tensor shapes (one bucket), except pending rows
+    (samples with a `latent_key`): their pixels and masks go to `batch["pending"]` with their rows and keys, and the
+    other rows' latents are stacked without them until the training loop merges them back in batch order."""
     # indices stay a list: a tensor would be sent to the device with the batch and read back from it
-    batch = {"captions": [s["caption"] for s in samples], "indices": [s["index"] for s in samples]}
-    for field in ("pixels", "latent_mean", "latent_std", "image_sizes"):
+    batch = {"captions": [s["caption"] for s in samples], "indices": [s["index"] for s in samples],
+             "variants": [s["variant"] for s in samples]}
+    rows = [row for row, s in enumerate(samples) if "latent_key" in s]
+    if rows:
+        waiting = [samples[row] for row in rows]
+        batch["pending"] = {"rows": rows, "keys": [s["latent_key"] for s in waiting],
+                            **_stacked(waiting, PENDING_FIELDS)}
+    ready = [s for s in samples if "latent_key" not in s]
+    batch.update(_stacked(ready, ("pixels", "latent_mean", "latent_std", "mask")))
+    batch.update(_stacked(samples, ("image_sizes",)))
+    return batch
+
+
+def _stacked(samples: list[dict], fields: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Each of `fields` that the samples have, stacked; every sample must have it, in one shape."""
+    stacked = {}
+    for field in fields:
         present = [s[field] for s in samples if field in s]
         if not present:
             continue
         shapes = {tuple(t.shape) for t in present}
         if len(present) != len(samples) or len(shapes) != 1:
             raise ValueError(f"a batch mixes {field} shapes {sorted(shapes)}; batches must come from one bucket")
-        batch[field] = torch.stack(present)
-    return batch
+        stacked[field] = torch.stack(present)
+    return stacked

@@ -7,8 +7,23 @@ miss instead of a stale latent. A clip is encoded as one [1, 3, F, H, W] video. 
 and std, not a sample, so every epoch still draws its own latent sample as an uncached run does, and the image's
 size facts (original size, crop, target size: SDXL's conditioning) as the encoded pixels were made.
 
+Variants (`datasets[].flip_x`, `flip_y`, `random_crop`): the variant's name in the key is "WxH-center" for the centre
+crop unflipped, as every key was before augmentation, and names the crop offset and the flips otherwise
+(`variant_name`), so entries written before keep their keys. The centre variant of every item is encoded before
+training (`build`); other variants cannot all be known in advance (a random crop has as many as its slack allows),
+so one is encoded when it is first drawn and then kept like the rest, on disk or in memory as its dataset asks. The
+data loader never runs the encoder: a sample whose variant has no entry comes as pixels with the key to store it under,
+and the training loop encodes those rows one by one, as `build` does, stores them and merges them with the batch's
+cached rows in batch order (`complete`). A row's latent is therefore the entry's distribution whether the entry was
+found or made now, and is drawn from it as from any cached row (`latents_from_dist` of the batch's distribution).
+
+Loss masks (`datasets[].mask_path`): an entry of a dataset with masks also holds the variant's mask on the latent grid
+[1, h, w] (area-resized, `losses.mask_to_grid`), and its key adds the mask file's digest and `mask_min_value`
+(`mask=none` for a sample without a mask file); entries of datasets without masks keep their keys.
+
 On disk: `<cache_dir>/latents/<key>.safetensors`, written under a temporary name and renamed, so a
-partly written file is never read. In memory: every process encodes every image it may be given.
+partly written file is never read. In memory: every process encodes every image it may be given (and each process,
+and a DataLoader worker's copy of the dataset, finds only the variants its own process made).
 """
 
 from __future__ import annotations
@@ -16,23 +31,51 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from toolkit.data.dataset import ImageDataset, TrainItem, image_sizes, load_pixels
+from toolkit.data.dataset import ImageDataset, TrainItem, Variant, centre_variant, image_sizes, load_pixels
 from toolkit.files import write_atomic
 from toolkit.models.base import LatentDist, ModelAdapter
 from toolkit.run.metrics import progress_bars_wanted
+from toolkit.train.losses import mask_to_grid
 
 log = logging.getLogger("difftune")
+
+
 def file_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def variant_name(item: TrainItem, variant: Variant | None = None) -> str:
+    """The variant's part of a cache key: "WxH-center" for the centre crop (the key every entry had before
+    augmentation), else "WxH-crop<left>,<top>"; then "-flipx" / "-flipy" for a mirrored variant, and a clip's source
+    frames."""
+    centre = centre_variant(item)
+    variant = variant or centre
+    name = f"{item.bucket[0]}x{item.bucket[1]}"
+    centred = (variant.left, variant.top) == (centre.left, centre.top)
+    name += "-center" if centred else f"-crop{variant.left},{variant.top}"
+    name += "-flipx" * variant.flip_x + "-flipy" * variant.flip_y
+    if item.record.clip is not None:  # images keep the keys they always had
+        name += "-frames" + ",".join(str(index) for index in item.record.clip.indices)
+    return name
+
+
+class CachedLatent(NamedTuple):
+    """One entry: the encoder's output, the size facts of the pixels it was made from, and, in a dataset with masks,
+    the variant's loss mask on the latent grid [1, h, w]."""
+
+    dist: LatentDist
+    sizes: torch.Tensor
+    mask: torch.Tensor | None = None
 
 
 class LatentCache:
@@ -43,22 +86,30 @@ class LatentCache:
         self.roots = roots  # dataset index -> cache folder, for the datasets that cache
         self.to_disk = to_disk
         self.identity = identity
-        self.memory: dict[str, tuple[LatentDist, torch.Tensor]] = {}  # key -> entry, for datasets cached in memory
+        self.memory: dict[str, CachedLatent] = {}  # key -> entry, for datasets cached in memory
         self._digests: dict[Path, str] = {}
         self.keys = {i: self.key(item) for i, item in enumerate(dataset.items) if item.dataset in roots}
 
-    def key(self, item: TrainItem) -> str:
-        path = item.record.path
+    def digest(self, path: Path) -> str:
         if path not in self._digests:
             self._digests[path] = file_digest(path)
-        variant = f"{item.bucket[0]}x{item.bucket[1]}-center"
-        if item.record.clip is not None:  # images keep the keys they always had
-            variant += "-frames" + ",".join(str(index) for index in item.record.clip.indices)
-        return hashlib.sha256(f"{self._digests[path]}|{variant}|{self.identity}".encode()).hexdigest()[:32]
+        return self._digests[path]
+
+    def key(self, item: TrainItem, variant: Variant | None = None) -> str:
+        """The key of the item's variant (the centre one without `variant`)."""
+        fields = [self.digest(item.record.path), variant_name(item, variant), self.identity]
+        options = self.dataset.options_for(item.dataset)
+        if options.masked:  # datasets without masks keep their keys
+            mask = item.record.mask
+            fields.append("mask=none" if mask is None else f"mask={self.digest(mask)},{options.mask_min_value}")
+        return hashlib.sha256("|".join(fields).encode()).hexdigest()[:32]
+
+    def entry_path(self, item: TrainItem, key: str) -> Path:
+        return self.roots[item.dataset] / "latents" / f"{key}.safetensors"
 
     def path(self, index: int) -> Path:
-        item = self.dataset.items[index]
-        return self.roots[item.dataset] / "latents" / f"{self.keys[index]}.safetensors"
+        """Where the centre variant of item `index` is stored (datasets cached on disk)."""
+        return self.entry_path(self.dataset.items[index], self.keys[index])
 
     def covers(self, index: int) -> bool:
         return index in self.keys
@@ -67,9 +118,15 @@ class LatentCache:
     def covers_everything(self) -> bool:
         return len(self.keys) == len(self.dataset)
 
+    @property
+    def grows(self) -> bool:
+        """Whether entries are added while training: a cached dataset draws flips or crops, whose variants are
+        encoded when first drawn (so the image encoder must stay available)."""
+        return any(self.dataset.options_for(dataset).varies for dataset in self.roots)
+
     def build(self, adapter: ModelAdapter, accelerator) -> None:
-        """Encode what is missing, once per entry (repeats and copies share one). Disk entries are shared
-        out across processes; memory entries are encoded by every process."""
+        """Encode the centre variants that are missing, once per entry (repeats and copies share one). Disk entries
+        are shared out across processes; memory entries are encoded by every process."""
         on_disk = {self.path(i): i for i in self.keys if self.to_disk[self.dataset.items[i].dataset]}
         in_memory = {self.keys[i]: i for i in self.keys if not self.to_disk[self.dataset.items[i].dataset]}
         # shard the full list (the same on every process), then skip what exists: filtering first would
@@ -81,31 +138,91 @@ class LatentCache:
         shown = accelerator.is_main_process and todo and progress_bars_wanted()
         for index in tqdm(todo, desc="caching latents", disable=not shown):
             item = self.dataset.items[index]
-            dist = adapter.encode_latent_dist(load_pixels(item).unsqueeze(0))
-            entry = LatentDist(dist.mean[0].cpu(), None if dist.std is None else dist.std[0].cpu())
-            if self.to_disk[item.dataset]:
-                self.write(self.path(index), entry, image_sizes(item))
-            else:
-                self.memory[self.keys[index]] = (entry, image_sizes(item))
+            centre = centre_variant(item)
+            self.encode(adapter, item, self.keys[index], centre, load_pixels(item, centre), self.mask_of(item, centre))
         accelerator.wait_for_everyone()
 
+    def mask_of(self, item: TrainItem, variant: Variant) -> torch.Tensor | None:
+        """The variant's mask in pixels for its entry; None for a dataset without masks."""
+        return self.dataset.mask(item, variant) if self.dataset.options_for(item.dataset).masked else None
+
+    def encode(self, adapter: ModelAdapter, item: TrainItem, key: str, variant: Variant, pixels: torch.Tensor,
+               mask: torch.Tensor | None) -> CachedLatent:
+        """Encode one variant's pixels ([3, H, W] or a clip's [3, F, H, W]) alone and store the entry under `key`;
+        `mask`, its loss mask in pixels [1, H, W], is stored on the latent grid."""
+        with torch.no_grad():
+            dist = adapter.encode_latent_dist(pixels.unsqueeze(0))
+        mean = dist.mean[0].cpu()
+        grid_mask = None if mask is None else mask_to_grid(mask, mean.shape[-2:]).cpu()
+        entry = CachedLatent(LatentDist(mean, None if dist.std is None else dist.std[0].cpu()),
+                             image_sizes(item, variant), grid_mask)
+        if self.to_disk[item.dataset]:
+            self.write(self.entry_path(item, key), entry)
+        else:
+            self.memory[key] = entry
+        return entry
+
     @staticmethod
-    def write(path: Path, entry: LatentDist, sizes: torch.Tensor) -> None:
-        tensors = {"mean": entry.mean.contiguous(), "image_sizes": sizes.contiguous()}
-        if entry.std is not None:
-            tensors["std"] = entry.std.contiguous()
+    def write(path: Path, entry: CachedLatent) -> None:
+        tensors = {"mean": entry.dist.mean.contiguous(), "image_sizes": entry.sizes.contiguous()}
+        if entry.dist.std is not None:
+            tensors["std"] = entry.dist.std.contiguous()
+        if entry.mask is not None:
+            tensors["mask"] = entry.mask.contiguous()
         write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
-    def get(self, index: int) -> tuple[LatentDist, torch.Tensor]:
-        """The entry's latent distribution and the size facts of the pixels it was encoded from."""
-        if self.keys[index] in self.memory and not self.to_disk[self.dataset.items[index].dataset]:
-            return self.memory[self.keys[index]]
-        path = self.path(index)
+    def get(self, index: int, variant: Variant | None = None) -> CachedLatent | None:
+        """The entry of the item's variant (the centre one without `variant`): its latent distribution, the size facts
+        of the pixels it was encoded from, and its mask; None while the variant has no entry."""
+        item = self.dataset.items[index]
+        return self.entry(item, self.keys[index] if variant is None else self.key(item, variant), variant)
+
+    def entry(self, item: TrainItem, key: str, variant: Variant | None) -> CachedLatent | None:
+        if not self.to_disk[item.dataset]:
+            return self.memory.get(key)
+        path = self.entry_path(item, key)
+        if not path.is_file():
+            return None
         try:
             tensors = load_file(str(path))
-        except Exception as err:  # a damaged or deleted entry: name it
-            raise RuntimeError(f"cached latent {path} for {self.dataset.items[index].record.path} is "
-                               f"unreadable ({err}); delete the cache folder to rebuild it") from err
+        except Exception as err:  # a damaged entry: name it
+            raise RuntimeError(f"cached latent {path} for {item.record.path} is unreadable ({err}); delete the cache "
+                               "folder to rebuild it") from err
         if "image_sizes" not in tensors:  # written before entries kept them: the same crop plan made it
-            tensors["image_sizes"] = image_sizes(self.dataset.items[index])
-        return LatentDist(tensors["mean"], tensors.get("std")), tensors["image_sizes"]
+            tensors["image_sizes"] = image_sizes(item, variant)
+        dist = LatentDist(tensors["mean"], tensors.get("std"))
+        return CachedLatent(dist, tensors["image_sizes"], tensors.get("mask"))
+
+    def sample_fields(self, entry: CachedLatent) -> dict[str, torch.Tensor]:
+        """What a cached sample carries: the latent distribution, its size facts (families conditioned on them) and,
+        in a job with masks, its mask on the latent grid (all ones for a dataset without masks)."""
+        fields = {"latent_mean": entry.dist.mean}
+        if entry.dist.std is not None:
+            fields["latent_std"] = entry.dist.std
+        if self.dataset.sizes:
+            fields["image_sizes"] = entry.sizes
+        if self.dataset.masked:
+            fields["mask"] = entry.mask if entry.mask is not None else torch.ones(1, *entry.dist.mean.shape[-2:])
+        return fields
+
+    def complete(self, batch: dict, adapter: ModelAdapter) -> dict:
+        """A collated batch with pending rows (variants without an entry when they were loaded) made whole: each is
+        encoded alone and stored (unless its entry appeared since: made by an earlier row or batch, another process, or
+        while a loader worker's copy of the dataset could not see it), and the latent fields of every row are merged
+        in batch order, as if the cache had held them all. Runs in the training loop, on this process's device."""
+        pending = batch.pop("pending")
+        made = {}
+        for position, (row, key) in enumerate(zip(pending["rows"], pending["keys"], strict=True)):
+            item, variant = self.dataset.items[batch["indices"][row]], batch["variants"][row]
+            entry = self.entry(item, key, variant)
+            if entry is None:
+                mask = pending["mask"][position] if self.dataset.options_for(item.dataset).masked else None
+                entry = self.encode(adapter, item, key, variant, pending["pixels"][position], mask)
+            made[row] = self.sample_fields(entry)
+        device = pending["pixels"].device
+        ready = [row for row in range(len(batch["indices"])) if row not in made]
+        for field in next(iter(made.values())).keys() - {"image_sizes"}:
+            rows = dict(zip(ready, batch[field])) if ready else {}
+            rows.update({row: fields[field].to(device) for row, fields in made.items()})
+            batch[field] = torch.stack([rows[row] for row in range(len(batch["indices"]))])
+        return batch

@@ -33,3 +33,12 @@ def sample_files(folder: Path, video: bool = False) -> list[Path]:
 def clip_files(folder: Path) -> list[Path]:
     """A folder's clip files (`CLIP_EXTENSIONS`), sorted by name: what an image family leaves out."""
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in CLIP_EXTENSIONS)
+
+
+def mask_files(folder: Path) -> dict[str, Path]:
+    """A mask folder's masks by base name (`datasets[].mask_path`): its images (`IMAGE_EXTENSIONS`), the first by
+    name where several share a base name."""
+    masks: dict[str, Path] = {}
+    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
+        masks.setdefault(path.stem, path)
+    return masks

@@ -1,7 +1,10 @@
 """Text conditioning of a batch: captions processed and encoded live, or taken from a cache.
 
-Both sources draw their per-sample randomness (caption dropout, shuffles) from generators keyed by
-(seed, purpose, epoch, sample), so a resumed run sees exactly the captions an uninterrupted one saw.
+Both sources draw each sample's caption view (caption and token dropout, segment shuffling) with the same plan
+(`plan_caption_view`) from the same generator, keyed by (seed, "caption", epoch, sample): live captions join the
+planned segments and encode the text, cached ones move the planned segments' token positions of the cached
+embedding. So a resumed run sees exactly the captions an uninterrupted one saw, and a cached run the token
+sequences a live one sees (as far as the tokenizer allows: `view_positions`).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from functools import lru_cache
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -16,10 +20,16 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from toolkit.config.sections import DatasetConfig
-from toolkit.data.captions import process_caption
+from toolkit.data.captions import (
+    canonical_caption,
+    plan_caption_view,
+    process_caption,
+    segment_ranges,
+    split_segments,
+)
 from toolkit.data.dataset import ImageDataset
 from toolkit.files import write_atomic
-from toolkit.models.base import ModelAdapter, PromptEmbeds, join_padded
+from toolkit.models.base import ModelAdapter, PromptEmbeds, TextRules, join_padded
 from toolkit.run.metrics import progress_bars_wanted
 from toolkit.train.seeding import seeded_generator
 
@@ -40,31 +50,108 @@ class LiveCaptions:
 
     def caption(self, index: int, epoch: int) -> str:
         item = self.dataset.items[index]
-        cfg = self.cfgs[item.dataset]
-        return process_caption(
-            item.record.caption, seeded_generator(self.seed, "caption", epoch, index),
-            shuffle=cfg.shuffle_tokens, keep_tokens=cfg.keep_tokens, caption_dropout_rate=cfg.caption_dropout_rate,
-            token_dropout_rate=cfg.token_dropout_rate, trigger_word=self.trigger_word, blank=BLANK,
-        )
+        return process_caption(item.record.caption, seeded_generator(self.seed, "caption", epoch, index),
+                               **view_settings(self.cfgs[item.dataset]), trigger_word=self.trigger_word, blank=BLANK)
 
     def embeds_for(self, indices: list[int], epoch: int) -> PromptEmbeds:
         return self.adapter.encode_prompts([self.caption(i, epoch) for i in indices])
 
 
-def permute_tokens(embeds: torch.Tensor, span: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
-    """Shuffle the positions `span` = [first, stop) of one cached prompt ([tokens, dim]): the caption's own
-    tokens. What comes before (start token, chat template) and after (end token, template, padding) stays."""
-    first, stop = span
-    inner = stop - first
-    if inner < 2:
-        return embeds
-    order = torch.arange(embeds.shape[0])
-    order[first:stop] = first + torch.randperm(inner, generator=generator)
-    return embeds[order]
+def view_settings(cfg: DatasetConfig) -> dict:
+    """A dataset's caption-view keys, as both caption sources hand them to the plan."""
+    return {"shuffle": cfg.shuffle_tokens, "keep_tokens": cfg.keep_tokens,
+            "caption_dropout_rate": cfg.caption_dropout_rate, "token_dropout_rate": cfg.token_dropout_rate}
+
+
+def offset_token_spans(tokenizer, text: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[first, stop) token indices of each character range of `text`, by a fast tokenizer's character offsets: a
+    token belongs to the first range its characters overlap, a range taken with the spaces before it (so the space
+    before a word belongs to the word's segment, whether the tokenizer joins it to the word's token, as byte-level
+    BPE does, or gives it a token of its own); tokens overlapping none (commas) are separators. A range without a
+    token of its own gets an empty span where it stands."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    spaced = [(len(text[:start].rstrip()), stop) for start, stop in ranges]
+    owners = [next((k for k, (start, stop) in enumerate(spaced) if a < stop and b > start), None) for a, b in offsets]
+    spans, last = [], 0
+    for k in range(len(ranges)):
+        owned = [i for i, owner in enumerate(owners) if owner == k]
+        spans.append((owned[0], owned[-1] + 1) if owned else (last, last))
+        last = spans[-1][1]
+    return spans
+
+
+def prefix_token_spans(tokenizer, text: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The same for tokenizers without character offsets (slow ones): each range starts after the tokens of the
+    text before it (the spaces before the range left to the range) and stops after the tokens of the text up to
+    its end."""
+
+    def count(prefix: str) -> int:
+        return len(tokenizer(prefix, add_special_tokens=False).input_ids)
+
+    return [(count(text[:start].rstrip()), count(text[:stop])) for start, stop in ranges]
+
+
+def segment_spans(rules: TextRules, caption: str, length: int) -> torch.Tensor:
+    """[segments, 2] int64: the [first, stop) positions of each comma-separated segment of `caption`
+    (`split_segments`) in its embeddings (`length` tokens) from `encode_prompts`. A segment cut off by the
+    encoder's length limit is clipped (to nothing when it starts after the limit)."""
+    text = rules.encoder_text(caption)
+    ranges = segment_ranges(text)
+    if len(ranges) != len(split_segments(caption)):
+        raise ValueError(f"the caption {caption!r} has other comma-separated segments once cleaned for the text "
+                         f"encoder ({text!r}); write its commas as plain commas")
+    tokenizer = rules.tokenizer
+    find = offset_token_spans if tokenizer.is_fast else prefix_token_spans
+    first, stop = rules.caption_token_span(length)
+    spans = torch.tensor(find(tokenizer, text, ranges), dtype=torch.int64).reshape(-1, 2)
+    return (spans + first).clamp(max=stop)
+
+
+def view_positions(spans: torch.Tensor, order: tuple[int, ...], caption_span: tuple[int, int], length: int,
+                   row_length: int, keep_length: bool) -> tuple[torch.Tensor, int]:
+    """The positions of a cached embedding row ([row_length, dim], `length` real tokens, its segments at `spans`)
+    that make one caption view (segments `order`), and how many of them are real tokens.
+
+    In order: the positions before the caption (start token, template head); each planned segment's positions with
+    a comma between two segments; the positions after the caption (end token, template tail). The commas are the
+    caption's own comma positions, taken in order (the space after a comma belongs to the next segment). A segment
+    whose last token holds the comma after it too (CLIP's and byte-level BPE's `),`) brings that comma along: no
+    other follows it, and when it ends up last the view ends with its comma while the comma before it is the
+    previous one again. With `keep_length` (fixed-length families) the row keeps its length: the row's own padding
+    positions follow the real ones, then its last position again for the positions dropped segments freed (and a
+    full row is cut at the caption's end, as the encoder cuts); otherwise the row ends with its real tokens.
+
+    For CLIP, T5 and byte-level BPE tokenizers this is the live view's token sequence but where docs/models.md
+    ("Caption views") says otherwise. The embeddings are the cached rows moved, each still computed in the whole
+    caption's context.
+    """
+    bounds = spans.tolist()
+    gaps = [range(before[1], after[0]) for before, after in pairwise(bounds)]
+    # a segment brings its comma when its last token is followed directly by the next (present) segment's tokens
+    brings_comma = [not gap and after[0] < after[1] for gap, after in zip(gaps, bounds[1:])] + [False]
+    commas = [gap for gap in gaps if gap]
+    present = [k for k in order if bounds[k][0] < bounds[k][1]]  # a segment cut off by the encoder is in no view
+    body: list[int] = []
+    comma = range(0)
+    for j, k in enumerate(present):
+        if j and not brings_comma[present[j - 1]]:
+            comma = commas.pop(0) if commas else comma
+            body.extend(comma)
+        body.extend(range(*bounds[k]))
+    caption_first, caption_stop = caption_span
+    head, tail = list(range(caption_first)), list(range(caption_stop, length))
+    if keep_length:
+        body = body[:row_length - len(head) - len(tail)]
+    used = head + body + tail
+    real = len(used)
+    if keep_length:
+        used += [min(position, row_length - 1) for position in range(length, length + row_length - real)]
+    return torch.tensor(used, dtype=torch.int64), real
 
 
 class CachedCaptions:
-    """One cached embedding per distinct caption (plus the blank prompt); the text encoder can leave."""
+    """One cached embedding per distinct caption (plus the blank prompt); the text encoder can leave. An entry
+    encodes the caption as its whole view is written (`canonical_caption`), with its segments' token spans."""
 
     def __init__(self, adapter: ModelAdapter, dataset: ImageDataset, cfgs: list[DatasetConfig], seed: int,
                  trigger_word: str | None, roots: dict[int, Path]):
@@ -74,13 +161,9 @@ class CachedCaptions:
         self._recent = lru_cache(maxsize=RECENT_ENTRIES)(self._read)
         self.folder_of = {BLANK: roots[0]}
         for item in dataset.items:
-            self.folder_of.setdefault(item.record.caption, roots[item.dataset])
+            self.folder_of.setdefault(canonical_caption(item.record.caption), roots[item.dataset])
         if trigger_word:
-            self.folder_of.setdefault(trigger_word, roots[0])
-        if any(cfg.shuffle_tokens for cfg in cfgs):
-            log.warning("cached text embeddings: shuffle_tokens permutes the token positions of each cached "
-                        "caption (start, end and padding stay), not its comma-separated segments; keep_tokens "
-                        "does not apply and the trigger word moves too")
+            self.folder_of.setdefault(canonical_caption(trigger_word), roots[0])
 
     def path(self, caption: str) -> Path:
         key = hashlib.sha256(f"{self.identity}|{caption}".encode()).hexdigest()[:32]
@@ -108,10 +191,10 @@ class CachedCaptions:
         tensors = {"embeds": embeds.embeds[row, :end].cpu().contiguous()}
         if embeds.attention_mask is not None:
             tensors["attention_mask"] = embeds.attention_mask[row, :end].cpu().contiguous()
-        if embeds.lengths is not None:
-            tensors["length"] = embeds.lengths[row].reshape(1).cpu()
+        tensors["length"] = embeds.lengths[row].reshape(1).cpu()
         if embeds.pooled is not None:
             tensors["pooled"] = embeds.pooled[row].cpu().contiguous()
+        tensors["segment_spans"] = segment_spans(self.adapter.text, caption, int(embeds.lengths[row]))
         write_atomic(self.path(caption), lambda tmp: save_file(tensors, str(tmp)))
 
     def load(self, caption: str) -> dict[str, torch.Tensor]:
@@ -122,53 +205,57 @@ class CachedCaptions:
     def _read(self, caption: str) -> dict[str, torch.Tensor]:
         path = self.path(caption)
         try:
-            return load_file(str(path))
+            entry = load_file(str(path))
         except Exception as err:
             raise RuntimeError(f"cached text embedding {path} is unreadable ({err}); delete the cache folder "
                                "to rebuild it") from err
+        if "segment_spans" not in entry:  # written before entries stored them: the same tokenizer finds them
+            entry["segment_spans"] = segment_spans(self.adapter.text, caption, int(entry["length"]))
+        return entry
 
     def start_epoch(self, epoch: int) -> None:
-        if any(cfg.shuffle_tokens for cfg in self.cfgs):
-            log.info("epoch %d: cached caption tokens are shuffled for this epoch", epoch)
+        pass
 
     def own_key(self, index: int) -> str:
         """The cached entry of a sample's own caption; the trigger word's for a sample without one."""
         item = self.dataset.items[index]
         if item.record.caption:
-            return item.record.caption
+            return canonical_caption(item.record.caption)
         if self.cfgs[item.dataset].is_reg:
             return BLANK
         if self.trigger_word:
-            return self.trigger_word
+            return canonical_caption(self.trigger_word)
         raise ValueError(
             f"{item.record.path} has an empty caption, so there is no cached text embedding for it; give it a "
             f"caption file, set datasets[{item.dataset}].default_caption, or set trigger_word (an empty caption "
             "trains on the blank prompt only on is_reg datasets)"
         )
 
-    def caption_key(self, index: int, epoch: int) -> str:
-        """Which cached entry a sample uses this epoch: the blank prompt when caption dropout hits it."""
-        rate = self.cfgs[self.dataset.items[index].dataset].caption_dropout_rate
-        if rate and torch.rand((), generator=seeded_generator(self.seed, "caption", epoch, index)).item() < rate:
-            return BLANK
-        return self.own_key(index)
+    def view(self, index: int, epoch: int) -> dict[str, torch.Tensor]:
+        """A sample's caption view this epoch as a cached entry, planned as the live path plans it: the blank
+        prompt's entry when caption dropout hits, else its own entry with the planned segments' token positions
+        moved (`view_positions`), its mask and length to match; the pooled embedding stays the whole caption's."""
+        key = self.own_key(index)
+        cfg = self.cfgs[self.dataset.items[index].dataset]
+        plan = plan_caption_view(split_segments(key), seeded_generator(self.seed, "caption", epoch, index),
+                                 **view_settings(cfg), trigger_word=self.trigger_word)
+        if plan.blank:
+            return self.load(BLANK)
+        entry = self.load(key)
+        embeds, length = entry["embeds"], int(entry["length"])
+        rules = self.adapter.text
+        positions, real = view_positions(entry["segment_spans"], plan.order, rules.caption_token_span(length), length,
+                                         embeds.shape[0], keep_length=not rules.variable_length)
+        view = {**entry, "embeds": embeds[positions], "length": entry["length"].new_tensor([real])}
+        if "attention_mask" in entry:
+            view["attention_mask"] = entry["attention_mask"][positions]
+            view["attention_mask"][real:] = False
+        return view
 
     def embeds_for(self, indices: list[int], epoch: int) -> PromptEmbeds:
-        rows, masks, lengths, pooled = [], [], [], []
-        for index in indices:
-            key = self.caption_key(index, epoch)
-            entry = self.load(key)
-            embeds = entry["embeds"]
-            cfg = self.cfgs[self.dataset.items[index].dataset]
-            if cfg.shuffle_tokens and key != BLANK and "length" in entry:
-                generator = seeded_generator(self.seed, "token_shuffle", epoch, index)
-                embeds = permute_tokens(embeds, self.adapter.text.caption_token_span(int(entry["length"])), generator)
-            rows.append(embeds)
-            masks.append(entry.get("attention_mask"))
-            lengths.append(entry.get("length"))
-            pooled.append(entry.get("pooled"))
-        embeds, mask = join_padded([row.unsqueeze(0) for row in rows],
-                                   [m.unsqueeze(0) if m is not None else None for m in masks])
-        length = torch.cat(lengths) if all(n is not None for n in lengths) else None
-        pooled = torch.stack(pooled) if all(p is not None for p in pooled) else None
+        views = [self.view(index, epoch) for index in indices]
+        embeds, mask = join_padded([v["embeds"].unsqueeze(0) for v in views],
+                                   [v["attention_mask"].unsqueeze(0) if "attention_mask" in v else None for v in views])
+        length = torch.cat([v["length"] for v in views])
+        pooled = torch.stack([v["pooled"] for v in views]) if all("pooled" in v for v in views) else None
         return PromptEmbeds(embeds, mask, length, pooled).to(self.adapter.device)

@@ -1,5 +1,9 @@
 """The data and conditioning part of a run: the dataset, its latent and text caches, the batch order and the
-dataloader, and the micro-batches of an epoch from a (resumed) position."""
+dataloader, and the micro-batches of an epoch from a (resumed) position.
+
+Where a cached dataset draws flips or crops, the latent cache grows while training: the micro-batches this part
+yields have their new variants encoded and stored here, in the training loop (`LatentCache.complete`), so the
+loader's workers never run the image encoder, which then stays on the device."""
 
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ class TrainingData:
         self.dataset: ImageDataset = build_dataset(datasets, trigger_word, adapter.divisor,
                                                    sizes=adapter.facts.size_conditioning,
                                                    frame_step=adapter.facts.frame_step, family=adapter.facts.title,
-                                                   scanned=scanned)
+                                                   scanned=scanned, seed=train.seed)
         self.batch_sampler = BucketBatchSampler(self.dataset.bucket_keys(), train.batch_size, train.seed)
         self.conditioning: LiveCaptions | CachedCaptions | None = None
         self.dataloader = None
@@ -49,7 +53,8 @@ class TrainingData:
 
     def build_caches(self, accelerator) -> None:
         """Latent and text-embedding caches as the config asks; encoders that are no longer needed in the loop
-        then leave the accelerator (they come back only to render samples)."""
+        then leave the accelerator (they come back only to render samples). The image encoder stays where a cached
+        dataset draws variants that are encoded when first drawn."""
         cfgs, adapter, placement = self.cfgs, self.adapter, self.placement
         roots = {i: cache_root(cfg.folder_path, cfg.cache_dir) for i, cfg in enumerate(cfgs)}
         caching = {i: roots[i] for i, cfg in enumerate(cfgs) if cfg.cache_latents or cfg.cache_latents_to_disk}
@@ -59,7 +64,7 @@ class TrainingData:
             with placement.visiting(adapter.image_encoder_modules()):
                 cache.build(adapter, accelerator)
             self.dataset.latents = cache
-            if cache.covers_everything:
+            if cache.covers_everything and not cache.grows:
                 placement.offload(adapter.image_encoder_modules(), "image encoder unload")
         seed = self.train.seed
         if self.train.cache_text_embeddings:
@@ -86,7 +91,8 @@ class TrainingData:
         )
 
     def epoch_batches(self, accelerator, position: Position):
-        """This epoch's micro-batches on this process, from the resumed position (skipped, not loaded)."""
+        """This epoch's micro-batches on this process, from the resumed position (skipped, not loaded), each with its
+        variants that the latent cache had no entry for encoded now (`complete`)."""
         skip = position.micro_batch_in_epoch
         loader = accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader
         # accelerate's loader passes its own iteration count to the sampler when iterated; a resumed run (or a
@@ -94,7 +100,11 @@ class TrainingData:
         loader.set_epoch(position.epoch)
         self.batch_sampler.set_epoch(position.epoch)
         self.conditioning.start_epoch(position.epoch)
-        return enumerate(loader, start=skip)
+        return ((micro_batch, self.complete(batch)) for micro_batch, batch in enumerate(loader, start=skip))
+
+    def complete(self, batch: dict) -> dict:
+        """The batch with its pending rows (variants without a latent cache entry yet) encoded and stored."""
+        return self.dataset.latents.complete(batch, self.adapter) if "pending" in batch else batch
 
     def embeds_for(self, batch: dict, epoch: int) -> PromptEmbeds:
         return self.conditioning.embeds_for(batch["indices"], epoch)

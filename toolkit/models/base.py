@@ -181,9 +181,20 @@ class TextRules:
         return self.adapter.encode_prompts([""])
 
     def caption_token_span(self, length: int) -> tuple[int, int]:
-        """[first, stop) positions of the caption's own tokens in a prompt of `length` tokens (cached-embedding
-        token shuffling moves only these): between the start and the end token by default."""
+        """[first, stop) positions of the caption's own tokens in a prompt of `length` tokens (cached caption views
+        move only these): between the start and the end token by default."""
         return 1, length - 1
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer whose tokens the rows of `encode_prompts`' per-token embeddings are (cached caption views
+        find each caption segment's rows with it)."""
+        return self.adapter.tokenizer
+
+    def encoder_text(self, caption: str) -> str:
+        """The caption as that tokenizer reads it, without any template around it (`caption_token_span` places
+        its tokens); families that clean prompts first clean it here the same way."""
+        return caption
 
     def overlong_prompts(self, prompts: list[str]) -> list[int]:
         """Indices of prompts the text encoder will cut; families without a limit return none."""
@@ -350,6 +361,12 @@ class ModelAdapter(ABC):
         """The expert update `update_index` trains (its timesteps are drawn in the expert's range), where the family
         has several; None otherwise. A pure function of the update index, so every process and a resumed run agree."""
         return None
+
+    def trains_noise_level(self, u: float) -> bool:
+        """Whether the LoRA trains noise level `u` (a family whose trained experts cover part of the range says
+        no for the rest, whose expert may not even be loaded); the validation loss covers these levels only, each
+        predicted without naming an expert (a family of several routes a batch by its timesteps)."""
+        return True
 
     def use_zero_terminal_snr(self) -> None:
         """Rescale the noise schedule to zero terminal SNR (`train.zero_terminal_snr`), in training and in samples;

@@ -1,8 +1,8 @@
 """Training checkpoints: what is saved, how it is written safely, how the one to resume from is found.
 
-A checkpoint is `checkpoints/step_XXXXXXXXX/` holding the LoRA (float32, so a resume is exact), the
-optimizer, the LR scheduler, the grad scaler when fp16 uses one, one RNG file per rank and
-`train_state.json`. It is written under `.tmp_step_XXXXXXXXX`; `train_state.json` is written last and
+A checkpoint is `checkpoints/step_XXXXXXXXX/` holding the LoRA (float32, so a resume is exact), its EMA when
+`train.ema` keeps one (`ema.safetensors`, the same keys), the optimizer, the LR scheduler, the grad scaler when fp16
+uses one, one RNG file per rank and `train_state.json`. It is written under `.tmp_step_XXXXXXXXX`; `train_state.json` is written last and
 marks it complete; then the folder is renamed. A folder without the marker is never resumed from.
 """
 
@@ -36,10 +36,12 @@ from toolkit.train.plan import Position, resumed_position
 
 if TYPE_CHECKING:
     from toolkit.models.base import LoraComponent
+    from toolkit.train.ema import LoraEMA
 
 log = logging.getLogger("difftune")
 
 LORA_FILE = "lora.safetensors"
+EMA_FILE = "ema.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
@@ -179,16 +181,21 @@ def optimizer_problems(saved: dict, optimizer: torch.optim.Optimizer) -> list[st
 
 
 def load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
-    """Load the optimizer's moments and step counts but keep the current config's hyperparameters.
+    """Load the optimizer's moments, step counts and the running state some optimizers keep in their param groups
+    (Prodigy's d, schedule-free's weight sum), but keep the current config's hyperparameters (the constructor's
+    arguments; the LR is the schedule's, replayed).
 
     Returns the hyperparameters that differ from the checkpoint, e.g. "weight_decay 0.01 -> 0.1".
     """
-    current = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    from toolkit.train.optimizers import hyperparameter_names
+
+    settings = hyperparameter_names(optimizer) - {"lr", "initial_lr"}
+    current = [{k: v for k, v in group.items() if k in settings} for group in optimizer.param_groups]
     optimizer.load_state_dict(saved)
     changes = []
     for group, wanted in zip(optimizer.param_groups, current):
         for key, value in wanted.items():
-            if key not in ("lr", "initial_lr") and group.get(key) != value:
+            if group.get(key) != value:
                 changes.append(f"{key} {group.get(key)} -> {value}")
             group[key] = value
     return sorted(set(changes))
@@ -198,12 +205,13 @@ def load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, sav
 class TrainedParts:
     """What a checkpoint saves and a resume loads besides the position: the adapter (on each trained component,
     `LoraComponent`s: the denoiser and any text encoders, each saved under its prefix), the optimizer, the LR
-    scheduler and the fp16 grad scaler."""
+    scheduler, the fp16 grad scaler and the EMA of the adapter's weights."""
 
     components: list[LoraComponent]
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     scaler: Any = None
+    ema: LoraEMA | None = None
 
     @property
     def in_checkpoint(self) -> list[LoraComponent]:
@@ -271,6 +279,9 @@ class Checkpoints:
 
         parts = self.parts
         write_components_file(folder / LORA_FILE, parts.in_checkpoint, torch.float32, self.lora_metadata(step))
+        if parts.ema is not None and parts.ema.started:
+            with parts.ema.applied():
+                write_components_file(folder / EMA_FILE, parts.in_checkpoint, torch.float32, self.lora_metadata(step))
         torch.save(parts.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         torch.save(parts.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         if parts.scaler is not None:
@@ -281,7 +292,7 @@ class Checkpoints:
     def resume(self, folder: Path, micro_batches_per_epoch: int, gradient_accumulation: int) -> Position:
         """Load `folder` into the parts; returns where training continues."""
         state = TrainState.read(folder)
-        self.load_trained_state(folder)
+        self.load_trained_state(folder, state.global_step)
         world = self.accelerator.num_processes
         if state.world_size != world:
             log.warning("the checkpoint was written by %d processes, this run has %d: the LR continues at step %d, "
@@ -302,7 +313,7 @@ class Checkpoints:
                  position.micro_batch_in_epoch)
         return position
 
-    def load_trained_state(self, folder: Path) -> None:
+    def load_trained_state(self, folder: Path, step: int) -> None:
         from toolkit.device import memory_debug
         from toolkit.network.lora import (
             compare_lora_state,
@@ -317,11 +328,24 @@ class Checkpoints:
         problems = compare_lora_state(components_state_dict(components, torch.float32), saved_lora)
         saved_optimizer = load_torch(folder / OPTIMIZER_FILE)
         problems += [f"{OPTIMIZER_FILE}: {problem}" for problem in optimizer_problems(saved_optimizer, parts.optimizer)]
+        saved_ema = None
+        if parts.ema is not None and (folder / EMA_FILE).is_file():
+            saved_ema = load_safetensors(folder / EMA_FILE, lambda path: read_components_file(path, components))
+            expected = components_state_dict(components, torch.float32)
+            problems += [f"{EMA_FILE}: {problem}" for problem in compare_lora_state(expected, saved_ema)]
         if problems:
             raise CheckpointError(f"checkpoint {folder} does not match the current config: " + "; ".join(problems))
         with memory_debug("LoRA load", self.debug_memory):
             for component in components:
                 load_lora_state(component.module, saved_lora, component.prefix, str(lora_file))
+        if saved_ema is not None:
+            with parts.ema.loading():
+                for component in components:
+                    load_lora_state(component.module, saved_ema, component.prefix, str(folder / EMA_FILE))
+        elif parts.ema is not None and step >= parts.ema.cfg.start_step:
+            log.warning("%s has no EMA (train.ema was off or started later): the EMA starts from the weights of "
+                        "step %d", folder, step)
+            parts.ema.capture()
         for change in load_optimizer_keeping_hyperparameters(parts.optimizer, saved_optimizer):
             log.info("optimizer setting changed since the checkpoint: %s", change)
         if parts.scaler is not None and (folder / SCALER_FILE).is_file():

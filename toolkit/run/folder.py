@@ -36,11 +36,14 @@ class RunFolder:
     def final_lora(self) -> Path:
         return self.root / f"{self.name}.safetensors"
 
-    def final_lora_form(self, form: str, primary: str, part: str = "") -> Path:
+    def final_lora_form(self, form: str, primary: str, part: str = "", ema: bool = False) -> Path:
         """Where the finished LoRA in `form` goes: <name>.safetensors for the family's primary form,
         <name>.<form>.safetensors for the others, the folder <name>_peft/ for peft's own; a component with a file of
-        its own (an expert, `part`) <name>_<part>.safetensors and so on."""
+        its own (an expert, `part`) <name>_<part>.safetensors and so on; the EMA of the weights (`ema`) beside each
+        as <name>.ema.safetensors, <name>.ema.<form>.safetensors, <name>.ema_peft/."""
         stem = f"{self.name}_{part}" if part else self.name
+        if ema:
+            stem += ".ema"
         if form == "peft":
             return self.root / f"{stem}_peft"
         return self.root / (f"{stem}.safetensors" if form == primary else f"{stem}.{form}.safetensors")
@@ -48,11 +51,11 @@ class RunFolder:
     def final_loras(self) -> list[Path]:
         """The finished LoRA files there are: <name>.safetensors, its other forms, the peft folder, and those of the
         family's components with files of their own (<name>_<part>..., only for its known parts: another file
-        named like the run is not taken for one)."""
+        named like the run is not taken for one), and the EMA's (<name>.ema...)."""
         found = []
         for stem in [self.name, *(f"{self.name}_{part}" for part in self.file_parts)]:
             found += [*self.root.glob(f"{stem}.safetensors"), *self.root.glob(f"{stem}.*.safetensors"),
-                      *[p for p in [self.root / f"{stem}_peft"] if p.is_dir()]]
+                      *[p for p in [self.root / f"{stem}_peft", self.root / f"{stem}.ema_peft"] if p.is_dir()]]
         return sorted(found)
 
     @property

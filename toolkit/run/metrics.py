@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from toolkit.files import write_atomic, write_text_atomic
@@ -108,6 +109,15 @@ class Throughput:
         (fp16 overflow): its samples and time count, but not as an update."""
         self.updates += int(completed)
         self.samples += samples
+
+    @contextmanager
+    def paused(self):
+        """Time inside the block (a validation pass) is not training time."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - began
 
     def read(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self.started, 1e-9)

@@ -133,15 +133,17 @@ class Monitor:
 
     # ---- per update ----------------------------------------------------------------------------------
 
-    def after_update(self, update: UpdateValues, readings) -> None:
+    def after_update(self, update: UpdateValues, readings, evaluated: dict[str, float] | None = None) -> None:
         """The metrics line of a logged update (and the progress bar at most once a second): the only reads of
-        device values. `readings()` gives the optimizer's own figures (LR it used, update RMS) for that line."""
+        device values. `readings()` gives the optimizer's own figures (LR it used, update RMS) for that line;
+        `evaluated` (the validation figures of this update's weights) makes the update a logged one."""
         loss = update.loss
         self.smoothed_loss = loss if self.smoothed_loss is None else self.smoothed_loss + 0.1 * (loss - self.smoothed_loss)
-        logged = update.step % self.cfg.log_every == 0 or update.step == self.plan.total_updates
+        logged = (update.step % self.cfg.log_every == 0 or update.step == self.plan.total_updates
+                  or evaluated is not None)
         postfix_due = self.progress_enabled and time.monotonic() - self.postfix_shown_at >= 1.0
         if logged or postfix_due:
-            record = self.host_record(update, readings())
+            record = self.host_record(update, readings()) | (evaluated or {})
             if logged:
                 self.log_record(record)
             if postfix_due:
@@ -160,6 +162,13 @@ class Monitor:
         record["smoothed_loss"] = values[-1]
         record.update(readings)
         return record | self.throughput.read()
+
+    def log_evaluation(self, step: int, epoch: int, evaluated: dict[str, float]) -> None:
+        """A metrics line of validation figures alone: those of the weights before the first update (step 0)."""
+        record = {"step": step, "epoch": epoch, **evaluated}
+        self.metrics.write(record)
+        if self.cfg.tensorboard:
+            self.accelerator.log(evaluated, step=step)
 
     def log_record(self, record: dict) -> None:
         """A metrics.jsonl line (and TensorBoard scalars); the throughput window restarts here."""

@@ -51,7 +51,8 @@ def metric_unit(name: str) -> str:
 
 
 def numeric_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) per plotted key, in first-seen key order; non-numbers (histograms, None) are skipped."""
+    """(step, value) per plotted key: the losses first, then in first-seen key order (a validation loss, logged
+    before the first update, comes next); non-numbers (histograms, None) are skipped."""
     series: dict[str, list[tuple[int, float]]] = {}
     for record in records:
         for key, value in record.items():
@@ -59,7 +60,7 @@ def numeric_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
                 continue
             if math.isfinite(value):
                 series.setdefault(key, []).append((record["step"], float(value)))
-    return series
+    return dict(sorted(series.items(), key=lambda item: not item[0].startswith("loss")))
 
 
 def smoothed(points: list[tuple[int, float]], weight: float = SMOOTHING) -> list[tuple[int, float]]:

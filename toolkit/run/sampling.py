@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -133,10 +134,13 @@ class SampleRenderer:
 class Sampler:
     """The samples part of a run: renders `sample.prompts` on the main process with the encoders and sample-only
     models brought to the accelerator just for that (an offloaded text encoder visits alone, first, and has left
-    again before the sampling model arrives), the trained modules in eval mode, and the global RNG untouched."""
+    again before the sampling model arrives), the trained modules in eval mode, the weights `weights()` puts in
+    place (the EMA, schedule-free's average; the trained ones by default) and the global RNG untouched."""
 
     def __init__(self, renderer: SampleRenderer, adapter: ModelAdapter, placement: ModulePlacement,
-                 trained_modules: list[torch.nn.Module], mirrors: list, is_main: bool, debug_memory: bool = False):
+                 trained_modules: list[torch.nn.Module], mirrors: list, is_main: bool, debug_memory: bool = False,
+                 weights: Callable[[], AbstractContextManager] = nullcontext):
+        self.weights = weights
         self.renderer = renderer
         self.adapter = adapter
         self.placement = placement
@@ -158,7 +162,8 @@ class Sampler:
             module.eval()
         try:
             # fork_rng: whatever a pipeline draws from the global RNG is not taken from training's stream
-            with memory_debug("sampling", self.debug_memory), torch.random.fork_rng(devices=cuda_devices(device)):
+            with (memory_debug("sampling", self.debug_memory), torch.random.fork_rng(devices=cuda_devices(device)),
+                  self.weights()):
                 conditioning = self.conditioning()
                 with modules_on(self.modules_for(conditioning), device, while_moving=self.mirrors_detached):
                     return self.renderer.render(self.adapter, step, progress, conditioning)

@@ -24,12 +24,15 @@ def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: LossType = "mse",
-                    huber_c: float = 0.1) -> torch.Tensor:
+                    huber_c: float = 0.1, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Element loss of residual r = prediction - target, averaged over all but the batch dim: [batch].
 
     mse: r^2. mae: |r|. pseudo_huber: 2c (sqrt(r^2 + c^2) - c) with c = huber_c (kohya's form): about
     r^2 for |r| << c, so it keeps MSE's scale and learning rate, and about 2c|r| for |r| >> c, so
     outliers pull linearly instead of quadratically.
+
+    `weights` (a loss mask, broadcastable to the elements: `mask_weights`): each sample's loss is the weighted mean
+    sum(w e) / sum(w), the mean over the area it trains, so a mask changes where a sample learns, not how strongly.
     """
     if prediction.shape != target.shape:
         shapes = f"{tuple(prediction.shape)} and target {tuple(target.shape)}"
@@ -45,7 +48,36 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: L
         element = 2.0 * huber_c * (torch.sqrt(residual**2 + huber_c**2) - huber_c)
     else:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    return element.reshape(element.shape[0], -1).mean(dim=1)
+    if weights is None:
+        return element.reshape(element.shape[0], -1).mean(dim=1)
+    return weighted_element_mean(element, weights)
+
+
+def weighted_element_mean(element: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(w e) / sum(w) per sample, [batch]: a sample whose weights are all 0 gives 0 and no gradient (not NaN)."""
+    weights = to_device(weights, element.device, torch.float32).expand_as(element)
+    total = (element * weights).reshape(element.shape[0], -1).sum(dim=1)
+    area = weights.reshape(element.shape[0], -1).sum(dim=1)
+    return total / area.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def mask_to_grid(mask: torch.Tensor, grid: tuple[int, int] | torch.Size) -> torch.Tensor:
+    """Masks [..., H, W] on a latent grid (h, w), by area: each latent cell weighs the mean of the mask over the
+    pixels it was encoded from (a cell half inside the mask trains at half weight; area, not bilinear, so a thin
+    masked-out line still counts). Returned as is when already on the grid."""
+    grid = tuple(grid)
+    if tuple(mask.shape[-2:]) == grid:
+        return mask
+    flat = mask.float().reshape(-1, 1, *mask.shape[-2:])
+    return F.interpolate(flat, size=grid, mode="area").reshape(*mask.shape[:-2], *grid)
+
+
+def mask_weights(mask: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    """A batch's loss masks [B, 1, H, W] (pixels, or already on the latent grid from the latent cache) as weights
+    for `latents` [B, C, h, w] or, video families, [B, C, F, h, w]: on the latent grid (`mask_to_grid`), shaped to
+    broadcast over the channels and a clip's frames (a clip has one mask for all its frames)."""
+    grid = mask_to_grid(mask, latents.shape[-2:])
+    return grid.reshape(grid.shape[0], 1, *([1] * (latents.dim() - 4)), *grid.shape[-2:])
 
 
 def weighted_mean(per_sample: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from toolkit.diffusion.timestep_params import TimestepParams
 from toolkit.diffusion.timesteps import sample_timestep_u
 from toolkit.errors import UserError
 from toolkit.models.base import Expert, LatentDist, ModelAdapter, PromptEmbeds, join_padded
-from toolkit.train.losses import mse_loss, per_sample_loss, weighted_mean
+from toolkit.train.losses import mask_weights, mse_loss, per_sample_loss, weighted_mean
 from toolkit.train.seeding import seeded_generator
 
 
@@ -80,7 +80,7 @@ class DiffusionObjective:
         if cfg.differential_guidance_scale is not None:
             anchor = prediction.detach()
             target = anchor + cfg.differential_guidance_scale * (target - anchor)
-        per_sample = per_sample_loss(prediction, target, cfg.loss_type, cfg.huber_c)
+        per_sample = per_sample_loss(prediction, target, cfg.loss_type, cfg.huber_c, self.loss_mask(batch, latents))
         snr_weight = None
         if cfg.min_snr_gamma is not None:
             snr_weight = min_snr_weights(schedule.snr(timesteps), cfg.min_snr_gamma, schedule.prediction_type)
@@ -151,8 +151,14 @@ class DiffusionObjective:
                 module.enable_adapters()
         return mse_loss(blank_prediction, base)
 
+    @staticmethod
+    def loss_mask(batch: dict, latents: torch.Tensor) -> torch.Tensor | None:
+        """The batch's loss masks (`datasets[].mask_path`) as per-element weights on the latent grid; None without."""
+        return mask_weights(batch["mask"], latents) if "mask" in batch else None
+
     def batch_latents(self, batch: dict, generator: torch.Generator) -> torch.Tensor:
-        """Latents drawn from the cached encoder output, or from encoding the batch's pixels now."""
+        """Latents drawn from the cached encoder output (variants that had no entry were encoded and merged in batch
+        order before: `LatentCache.complete`), or from encoding the batch's pixels now."""
         if "latent_mean" in batch:
             dist = LatentDist(batch["latent_mean"], batch.get("latent_std"))
             return self.adapter.latents_from_dist(dist, generator)

@@ -14,6 +14,10 @@ OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
     "lion8bit": frozenset({"args", "betas", "is_paged", "min_8bit_size", "weight_decay"}),
     "adafactor": frozenset({"beta1", "clip_threshold", "decay_rate", "eps", "max_lr", "min_lr", "relative_step",
                             "scale_parameter", "warmup_init", "weight_decay"}),
+    "prodigy": frozenset({"beta3", "betas", "d0", "d_coef", "decouple", "eps", "fsdp_in_use", "growth_rate",
+                          "safeguard_warmup", "slice_p", "use_bias_correction", "weight_decay"}),
+    "schedulefree_adamw": frozenset({"betas", "eps", "foreach", "r", "warmup_steps", "weight_decay",
+                                     "weight_lr_power"}),
 }
 
 

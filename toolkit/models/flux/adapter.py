@@ -85,6 +85,11 @@ class FluxText(TextRules):
     def caption_token_span(self, length: int) -> tuple[int, int]:
         return 0, max(0, length - 1)
 
+    @property
+    def tokenizer(self):
+        """T5's: the per-token embeddings are T5's (CLIP gives only the pooled embedding)."""
+        return self.adapter.tokenizer_2
+
     def overlong_prompts(self, prompts: list[str]) -> list[int]:
         a = self.adapter
         lengths = [len(ids) for ids in a.tokenizer_2(prompts, truncation=False).input_ids]

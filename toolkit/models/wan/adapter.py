@@ -170,6 +170,9 @@ class WanText(TextRules):
     def caption_token_span(self, length: int) -> tuple[int, int]:
         return 0, max(0, length - 1)
 
+    def encoder_text(self, caption: str) -> str:
+        return prompt_clean(caption)
+
     def overlong_prompts(self, prompts: list[str]) -> list[int]:
         a = self.adapter
         lengths = [len(ids) for ids in a.tokenizer([prompt_clean(p) for p in prompts], truncation=False).input_ids]
@@ -474,6 +477,12 @@ class WanAdapter(ModelAdapter):
             return None
         name = self.trained_experts[(update_index // self.expert_switch_every) % len(self.trained_experts)]
         return Expert(name, self.expert_ranges()[name])
+
+    def trains_noise_level(self, u: float) -> bool:
+        """The expert denoising `u` (high noise from the boundary up, as `expert_for` routes) is a trained one."""
+        if not self.trained_experts:
+            return True
+        return (EXPERTS[0] if u >= self.boundary_ratio else EXPERTS[1]) in self.trained_experts
 
     def expert_ranges(self) -> dict[str, tuple[float, float]]:
         """Each expert's noise levels (u = timestep / 1000): high noise from `boundary_ratio` up, low noise below."""

@@ -1,8 +1,12 @@
-"""Optimizers from `train.optimizer` and `train.optimizer_params`."""
+"""Optimizers from `train.optimizer` and `train.optimizer_params`, and what the trainer needs to know of them: the
+LR an update used, their own figures for the metrics (Prodigy's d), their hyperparameters (kept from the config on
+a resume, unlike their running state), and schedule-free's evaluation weights (docs/optimizers.md)."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -28,6 +32,14 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         from toolkit.train.optimizers.adafactor import BoundedAdafactor
 
         return BoundedAdafactor
+    if name == "prodigy":
+        from prodigyopt import Prodigy
+
+        return Prodigy
+    if name == "schedulefree_adamw":
+        from schedulefree import AdamWScheduleFree
+
+        return AdamWScheduleFree
     raise ValueError(f"unknown optimizer '{name}'")
 
 
@@ -48,15 +60,85 @@ def build_optimizer(section: OptimizerSection, params: list[torch.nn.Parameter] 
     return optimizer_class(section.optimizer)(params, lr=section.lr, **section.optimizer_params)
 
 
+def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer itself, out of accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def is_prodigy(optimizer: torch.optim.Optimizer) -> bool:
+    group = unwrapped(optimizer).param_groups[0]
+    return "d" in group and "d0" in group
+
+
+def is_schedule_free(optimizer: torch.optim.Optimizer) -> bool:
+    return "train_mode" in unwrapped(optimizer).param_groups[0]
+
+
 def logged_lr(optimizer: torch.optim.Optimizer, scheduled_lr: float) -> float:
     """The LR an update used: the optimizer's own average when it picks LRs itself (relative-step
-    Adafactor), else the scheduler's."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps optimizers
+    Adafactor), Prodigy's step size d x lr, else the scheduler's."""
+    inner = unwrapped(optimizer)
     average = getattr(inner, "get_avg_learning_rate", None)
     if average is not None and inner.param_groups[0].get("relative_step"):
         return average()
+    if is_prodigy(inner):
+        return float(inner.param_groups[0]["d"]) * scheduled_lr
     return scheduled_lr
 
 
+def optimizer_figures(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """An optimizer's own figures for a metrics line: Prodigy's distance estimate d (`prodigy_d`)."""
+    if is_prodigy(optimizer):
+        return {"prodigy_d": float(unwrapped(optimizer).param_groups[0]["d"])}
+    return {}
+
+
 def update_rms(optimizer: torch.optim.Optimizer) -> float | None:
-    return getattr(getattr(optimizer, "optimizer", optimizer), "last_update_rms", None)
+    return getattr(unwrapped(optimizer), "last_update_rms", None)
+
+
+def hyperparameter_names(optimizer: torch.optim.Optimizer) -> set[str]:
+    """The param-group keys that are settings (the constructor's arguments, through `**kwargs` to the classes it
+    builds on), as opposed to the running state some optimizers keep in their groups (Prodigy's d and k,
+    schedule-free's k, weight sum and mode): a resume takes the former from the config, the latter from the
+    checkpoint."""
+    names: set[str] = set()
+    for cls in type(unwrapped(optimizer)).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls is torch.optim.Optimizer or cls is object:
+            continue
+        parameters = inspect.signature(init).parameters
+        names |= {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            break
+    return names - {"self", "params"}
+
+
+def start_training(optimizer: torch.optim.Optimizer) -> None:
+    """Put a schedule-free optimizer in train mode (its parameters are then the point gradients are taken at);
+    nothing for the others."""
+    if is_schedule_free(optimizer):
+        unwrapped(optimizer).train()
+
+
+@contextmanager
+def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The weights to sample, validate and save with: a schedule-free optimizer's averaged (eval-mode) point, else
+    the trained weights as they are. Training continues from exactly the weights it left (copied back, not
+    recomputed: switching schedule-free's mode back and forth is not exact in floating point, and a resumed run
+    must see the same weights as an uninterrupted one)."""
+    if not is_schedule_free(optimizer) or not unwrapped(optimizer).param_groups[0]["train_mode"]:
+        yield
+        return
+    inner = unwrapped(optimizer)
+    params = [p for group in inner.param_groups for p in group["params"]]
+    kept = [p.detach().clone() for p in params]
+    inner.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, value in zip(params, kept):
+                param.copy_(value)
+        for group in inner.param_groups:
+            group["train_mode"] = True
