@@ -51,17 +51,20 @@ def tiny_wuerstchen(tiny_cache) -> Path:
 @pytest.fixture(scope="session")
 def two_process_launch(tmp_path_factory, tiny_sd15):
     """One two-process launch (a launch costs two interpreters' imports) shared by the schedule and plan checks
-    (tests/test_lr_schedule.py), the sharding checks (tests/test_caches.py) and the validation loss
-    (tests/test_training_quality.py): their jobs run one after the other
+    (tests/test_lr_schedule.py), the sharding checks (tests/test_caches.py), the validation loss
+    (tests/test_training_quality.py) and the first half of the two-process resume (tests/test_resume.py): their jobs run one after the other
     in the same two processes, each sample's index recorded per rank. Returns (folder, the launch's result)."""
     from helpers import launch
     from test_caches import every_sample_jobs
     from test_lr_schedule import schedule_jobs
+    from test_resume import interrupted_jobs
     from test_training_quality import validation_jobs
 
     tmp = tmp_path_factory.mktemp("two_process_launch")
     (tmp / "seen").mkdir()
-    files = schedule_jobs(tmp) + every_sample_jobs(tmp) + validation_jobs(tmp)
+    # the interrupted job ends the launch (a stop ends the command), so it comes last
+    files = schedule_jobs(tmp) + every_sample_jobs(tmp) + validation_jobs(tmp) + interrupted_jobs(tmp)
     result = launch(Path(files[0]), 2, cwd=tmp, script=REPO / "tests" / "instrumented_run.py",
-                    env={"DIFFTUNE_TEST_RECORD_INDICES": str(tmp / "seen")}, extra_jobs=files[1:])
+                    env={"DIFFTUNE_TEST_RECORD_INDICES": str(tmp / "seen"), "DIFFTUNE_TEST_INTERRUPT_AFTER": "5",
+                         "DIFFTUNE_TEST_INTERRUPT_JOB": "ddp"}, extra_jobs=files[1:])
     return tmp, result

@@ -1,7 +1,8 @@
 """run.py with test instruments, for `accelerate launch` tests:
 
 - DIFFTUNE_TEST_INTERRUPT_AFTER=N: the main process sends itself SIGINT right after update N (a real
-  Ctrl-C through the real signal handler, timed deterministically);
+  Ctrl-C through the real signal handler, timed deterministically; with DIFFTUNE_TEST_INTERRUPT_JOB=NAME, only in
+  the job named NAME, which ends the launch: put it last);
 - DIFFTUNE_TEST_FAIL_RANK=R: process R raises an error in its second micro-batch (with DIFFTUNE_TEST_FAIL_JOB=NAME,
   only in the job named NAME);
 - DIFFTUNE_TEST_RECORD_INDICES=DIR: every process appends the sample indices of each micro-batch, and their files, to
@@ -45,11 +46,11 @@ def wrapped(cls: type, name: str, wrap):
         setattr(cls, name, original)
 
 
-def interrupt_after(step: int):
+def interrupt_after(step: int, job: str | None = None):
     def wrap(original):
         def after_update(self, update, readings, evaluated=None):
             original(self, update, readings, evaluated)
-            if update.step == step and self.is_main:
+            if update.step == step and self.is_main and job in (None, self.name):
                 os.kill(os.getpid(), signal.SIGINT)
         return after_update
 
@@ -127,7 +128,8 @@ def record_model_loads(folder: Path):
 if __name__ == "__main__":
     with ExitStack() as instruments:
         if "DIFFTUNE_TEST_INTERRUPT_AFTER" in os.environ:
-            instruments.enter_context(interrupt_after(int(os.environ["DIFFTUNE_TEST_INTERRUPT_AFTER"])))
+            instruments.enter_context(interrupt_after(int(os.environ["DIFFTUNE_TEST_INTERRUPT_AFTER"]),
+                                                      os.environ.get("DIFFTUNE_TEST_INTERRUPT_JOB")))
         if "DIFFTUNE_TEST_FAIL_RANK" in os.environ:
             instruments.enter_context(fail_on_rank(int(os.environ["DIFFTUNE_TEST_FAIL_RANK"]),
                                                    os.environ.get("DIFFTUNE_TEST_FAIL_JOB")))

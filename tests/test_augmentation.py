@@ -20,15 +20,19 @@ from toolkit.config.sections import DatasetConfig, NetworkConfig, ObjectiveSecti
 from toolkit.data.buckets import EpochIndex
 from toolkit.data.dataset import (
     DatasetError,
+    ImageRecord,
     SampleOptions,
+    TrainItem,
     Variant,
     build_dataset,
     centre_variant,
     collate,
     crop_plan,
     draw_variant,
+    image_sizes,
     load_mask,
     load_pixels,
+    mask_values,
 )
 from toolkit.data.latent_cache import LatentCache, file_digest
 from toolkit.data.training_data import TrainingData
@@ -208,7 +212,34 @@ def test_a_cached_flip_or_crop_equals_the_latent_of_the_flipped_or_cropped_image
     assert not torch.equal(entry.dist.mean, cache.get(0).dist.mean)
     assert torch.equal(dataset[EpochIndex(0, epoch)]["latent_mean"], entry.dist.mean)  # found from now on
     assert load_file(str(cache.path(0)))["image_sizes"].tolist() == [64, 96, centre.top, centre.left, 48, 80]
-    assert entry.sizes.tolist() == [64, 96, variant.top, variant.left, 48, 80]  # SDXL's crop conditioning: as cut
+    # SDXL's crop conditioning: the cut from the edges the picture shows (a mirror counts from the other edge)
+    left = plan.resized[0] - 80 - variant.left if variant.flip_x else variant.left
+    assert entry.sizes.tolist() == [64, 96, variant.top, left, 48, 80]
+
+
+def test_a_mirrored_crop_is_reported_from_the_edges_the_picture_shows(tmp_path):
+    """Kohya's rule: flipped left-right, the crop's left is the resized width less the crop's right edge; flipped
+    top-bottom, likewise its top. The reported cut is where the mirrored picture sits in the mirrored resized image."""
+    wide, tall = noise_image(tmp_path / "wide.png", (120, 64), seed=1), noise_image(tmp_path / "tall.png", (64, 120))
+    for path, bucket, resized, cut in ((wide, (80, 48), (90, 48), (3, 0)), (tall, (48, 80), (48, 90), (0, 2))):
+        width, height = Image.open(path).size
+        item = TrainItem(ImageRecord(path, width, height, ""), bucket)
+        assert crop_plan(width, height, bucket).resized == resized
+        slack = (resized[0] - bucket[0], resized[1] - bucket[1])
+        mirrored = Image.open(path).convert("RGB").resize(resized, Image.Resampling.BICUBIC)
+        mirrored = ImageOps.flip(ImageOps.mirror(mirrored))
+        for flip_x in (False, True):
+            for flip_y in (False, True):
+                variant = Variant(*cut, flip_x, flip_y)
+                left = slack[0] - cut[0] if flip_x else cut[0]
+                top = slack[1] - cut[1] if flip_y else cut[1]
+                assert image_sizes(item, variant).tolist() == [height, width, top, left, bucket[1], bucket[0]]
+                if flip_x and flip_y:  # the picture is the mirrored image's crop at the reported place
+                    by_hand = np.asarray(mirrored.crop((left, top, left + bucket[0], top + bucket[1])), np.float32)
+                    pixels = load_pixels(item, variant).permute(1, 2, 0).add(1.0).mul(127.5)
+                    assert torch.allclose(pixels, torch.from_numpy(by_hand), atol=1e-3)
+        centre = centre_variant(item)  # unflipped: as it always was
+        assert image_sizes(item).tolist() == [height, width, centre.top, centre.left, bucket[1], bucket[0]]
 
 
 def test_a_cached_dataset_keeps_every_variant_it_draws_and_batches_merge_them_in_order(tmp_path, adapter,
@@ -262,6 +293,33 @@ def test_a_batch_of_cached_and_new_variants_merges_its_rows_in_batch_order(tmp_p
     assert "pending" not in batch
     for row, (index, epoch) in enumerate(picks):
         assert torch.equal(batch["latent_mean"][row], cache.get(index, dataset.variant(index, epoch)).dist.mean)
+
+
+def test_a_deleted_entry_of_a_dataset_without_variants_is_an_error_naming_it(tmp_path, adapter, monkeypatch):
+    noise_image(tmp_path / "data" / "img.png", (64, 64))
+    cfg = DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64], cache_latents_to_disk=True)
+    dataset, cache = cached_dataset(cfg, adapter, tmp_path)
+    cache.path(0).unlink()  # the cache folder emptied while training
+    monkeypatch.setattr(adapter, "encode_latent_dist", lambda pixels: pytest.fail("encoded again"))
+    with pytest.raises(RuntimeError, match=f"cached latent {cache.path(0)} for {tmp_path / 'data' / 'img.png'} is "
+                                           "unreadable .*delete the cache folder to rebuild it"):
+        dataset[EpochIndex(0, 1)]
+    cache.path(0).write_bytes(b"damaged")
+    with pytest.raises(RuntimeError, match="unreadable"):
+        dataset[0]
+
+
+def test_a_deleted_entry_of_a_dataset_with_variants_is_encoded_again_when_drawn(tmp_path, adapter):
+    noise_image(tmp_path / "data" / "img.png", (64, 64))
+    cfg = DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64], cache_latents_to_disk=True, flip_x=True)
+    dataset, cache = cached_dataset(cfg, adapter, tmp_path)
+    written = cache.get(0).dist.mean
+    cache.path(0).unlink()
+    epoch, _ = epoch_where(dataset, 0, lambda v: not v.flip_x)
+    sample = dataset[EpochIndex(0, epoch)]
+    assert sample["latent_key"] == cache.keys[0] and "pixels" in sample  # a pending row: the encoder stayed
+    batch = cache.complete(collate([sample]), adapter)
+    assert cache.path(0).is_file() and torch.equal(batch["latent_mean"][0], written)
 
 
 def test_datasets_without_flips_crops_or_masks_keep_their_cache_keys(tmp_path):
@@ -375,6 +433,38 @@ def test_a_sample_without_a_mask_file_trains_everywhere_after_one_warning(tmp_pa
     assert job.latents.keys[3] == LatentCache(build_dataset([other], None, 16), {0: tmp_path / "cache"}, {0: False},
                                               adapter.encoder_identity("image")).keys[0]
     assert job[3]["mask"].shape == (1, 8, 8) and (job[3]["mask"] == 1).all() and job.latents.get(3).mask is None
+
+
+def test_a_16_bit_mask_is_read_by_its_own_range(tmp_path):
+    """A 16-bit grayscale PNG ramp reads as 0-1 (not clipped at 255 as an 8-bit conversion does); 32-bit integer and
+    float pictures by their rule (`mask_values`); an RGB mask as its luminance."""
+    noise_image(tmp_path / "data" / "img.png", (64, 64))
+    ramp = (np.arange(64, dtype=np.float64) * 1040).astype(np.uint16)[None].repeat(64, axis=0)  # 0 .. 65520
+    expected = (ramp / 65535.0).astype(np.float32)
+    masks = tmp_path / "masks"
+    cfg = DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64], mask_path=str(masks))
+
+    def mask_of(picture: Image.Image) -> torch.Tensor:
+        masks.mkdir(exist_ok=True)
+        picture.save(masks / "img.png")
+        (item,) = build_dataset([cfg], None, 16).items
+        return load_mask(item, centre_variant(item))[0]
+
+    sixteen = mask_of(Image.fromarray(ramp))
+    assert Image.open(masks / "img.png").mode in ("I;16", "I")  # a 16-bit PNG, as this Pillow opens it
+    assert torch.allclose(sixteen, torch.from_numpy(expected), atol=1e-6) and sixteen.max() < 1
+    eight = (ramp // 257).astype(np.uint8)
+    gray = mask_of(Image.fromarray(eight))
+    assert torch.equal(gray, torch.from_numpy(eight.astype(np.float32) / np.float32(255)))
+    assert torch.equal(mask_of(Image.fromarray(np.stack([eight] * 3, axis=-1))), gray)  # RGB: its luminance
+    # the modes PNG does not hold, read as pictures
+    assert np.allclose(mask_values(Image.fromarray(ramp).convert("I")), expected)  # I within 16 bits: by 65535
+    wide = np.array([[-5, 0, 2**30, 2**31 - 1]], dtype=np.int32)
+    assert np.allclose(mask_values(Image.fromarray(wide)), [[0, 0, 0.5, 1]])  # beyond 16 bits: by 2**31 - 1
+    floats = np.array([[-0.5, 0.25, 0.75, 1.5]], dtype=np.float32)
+    assert np.array_equal(mask_values(Image.fromarray(floats)), [[0, 0.25, 0.75, 1]])  # F: as is, clipped
+    big_endian = Image.frombytes("I;16B", (64, 64), ramp.astype(">u2").tobytes())
+    assert np.allclose(mask_values(big_endian), expected)
 
 
 def test_preflight_and_the_scan_name_a_missing_mask_folder(tmp_path):

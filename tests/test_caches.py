@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.data_loader import prepare_data_loader
 from helpers import make_image, make_images, trainer_process, write_job
 
 from jobs.job import get_job
 from toolkit.config.loader import load_config
 from toolkit.config.schema import DatasetConfig
+from toolkit.config.sections import TrainConfig
 from toolkit.data.captions import process_caption
 from toolkit.data.dataset import build_dataset
 from toolkit.data.latent_cache import LatentCache
 from toolkit.data.text_cache import CachedCaptions
+from toolkit.data.training_data import TrainingData
+from toolkit.device import ModulePlacement
+from toolkit.files import write_atomic
 from toolkit.models.registry import model_config
 from toolkit.models.sd15.adapter import SD15Adapter
 from toolkit.run.metrics import read_metrics
-from toolkit.train.plan import TrainingPlan
+from toolkit.train.plan import Position, TrainingPlan
 from toolkit.train.seeding import seeded_generator
 
 SOLO = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, wait_for_everyone=lambda: None)
@@ -114,6 +120,16 @@ def test_copies_and_repeats_share_entries_and_every_copy_reads_back(tmp_path, ad
     assert all(torch.equal(cache.get(i)[0].mean, cache.get(0)[0].mean) for i in range(len(dataset)))
 
 
+def test_each_atomic_write_takes_a_temporary_name_of_its_own(tmp_path):
+    """The process id alone repeats across hosts sharing a file system: a random part makes each name its own."""
+    names = []
+    for text in ("a", "b"):
+        write_atomic(tmp_path / "entry", lambda tmp, text=text: names.append(tmp.name) or tmp.write_text(text))
+    assert names[0] != names[1]
+    assert all(name.startswith(f".entry.{os.getpid()}-") and name.endswith(".tmp") for name in names)
+    assert os.listdir(tmp_path) == ["entry"] and (tmp_path / "entry").read_text() == "b"
+
+
 def test_partly_written_cache_files_are_never_read(tmp_path, adapter):
     make_image(tmp_path / "img.png", (64, 64))
     _, cache = latent_cache_for(tmp_path, adapter)
@@ -121,6 +137,43 @@ def test_partly_written_cache_files_are_never_read(tmp_path, adapter):
     (cache.path(0).parent / f".{cache.path(0).name}.123.tmp").write_bytes(b"half")
     cache.build(adapter, SOLO)
     assert cache.get(0)[0].mean.shape == (4, 8, 8)
+
+
+def training_data(tmp_path, adapter, cached: list[bool]) -> tuple[TrainingData, list]:
+    """The data part of a job over one dataset per entry of `cached` (5 images of one size each, latents cached in
+    memory where it says True), its caches built; batches of 2. Also the batches of epochs 0-2 as ordered before
+    the caches were built."""
+    cfgs = [DatasetConfig(folder_path=str(make_images(tmp_path / f"data{i}", 5, size=(64, 64))), resolution=[64],
+                          cache_latents=cache) for i, cache in enumerate(cached)]
+    train = TrainConfig(steps=4, batch_size=2, seed=3)
+    data = TrainingData(cfgs, None, train, adapter, ModulePlacement(torch.device("cpu"), low_vram=False))
+    before = [data.batch_sampler.batches_for_epoch(epoch) for epoch in range(3)]
+    data.build_caches(SOLO)
+    return data, before
+
+
+def test_a_cached_and_an_uncached_dataset_of_one_size_never_share_a_batch(tmp_path, adapter):
+    data, _ = training_data(tmp_path, adapter, [True, False])
+    cache = data.dataset.latents
+    data.dataloader = prepare_data_loader(data.make_dataloader(pin_memory=False), num_processes=1, process_index=0,
+                                          put_on_device=False)
+    for epoch in (0, 1):
+        seen = []
+        for _, batch in data.epoch_batches(SOLO, Position(0, epoch, 0)):
+            kinds = {cache.covers(index) for index in batch["indices"]}
+            assert len(kinds) == 1 and ("latent_mean" in batch) == kinds.pop() and ("pixels" in batch) != (
+                "latent_mean" in batch)
+            seen += batch["indices"]
+        assert sorted(seen) == list(range(10))  # every sample once
+    assert len(data.batch_sampler) == 6  # 5 cached in 3 batches, 5 uncached in 3
+
+
+@pytest.mark.parametrize("cached", [[True, True], [False, False]])
+def test_all_datasets_cached_or_none_keep_the_batch_order(tmp_path, adapter, cached):
+    data, before = training_data(tmp_path, adapter, cached)
+    assert (data.dataset.latents is not None) == cached[0]
+    assert [data.batch_sampler.batches_for_epoch(epoch) for epoch in range(3)] == before
+    assert any(len({i < 5 for i in batch}) == 2 for epoch in before for batch in epoch)  # they do share batches
 
 
 def text_cache_for(tmp_path, adapter, shuffle: bool, trigger: str | None = "sks", captions=("a, b, c, d",)):

@@ -3,6 +3,7 @@ cached text embeddings apply to the cached token positions, so both give the sam
 
 from __future__ import annotations
 
+import html
 from itertools import pairwise
 from types import SimpleNamespace
 
@@ -18,11 +19,14 @@ from toolkit.data.dataset import build_dataset
 from toolkit.data.text_cache import (
     CachedCaptions,
     LiveCaptions,
+    SegmentsUnknown,
     offset_token_spans,
     prefix_token_spans,
     segment_spans,
     view_positions,
 )
+from toolkit.errors import UserError
+from toolkit.models.base import TextRules
 from toolkit.models.qwen_image.adapter import PROMPT_TEMPLATE, TEMPLATE_DROP, QwenImageAdapter
 from toolkit.models.registry import get_adapter_class, model_config
 from toolkit.train.seeding import seeded_generator
@@ -228,8 +232,11 @@ def test_spans_are_found_in_the_text_the_family_encodes(tiny_cache):
     ids = wan.tokenizer(wan.text.encoder_text(caption)).input_ids
     spans = segment_spans(wan.text, caption, len(ids)).tolist()
     assert [wan.tokenizer.decode(ids[a:b]).strip() for a, b in spans] == ["fish & chips", "sea"]
-    with pytest.raises(ValueError, match="other comma-separated segments once cleaned"):
-        segment_spans(wan.text, "fish &#44; chips, sea", len(ids))
+    # a comma the cleaning makes inside a segment belongs to that segment: the segment count stays the caption's
+    caption = "fish &#44; chips, sea"
+    ids = wan.tokenizer(wan.text.encoder_text(caption)).input_ids
+    spans = segment_spans(wan.text, caption, len(ids)).tolist()
+    assert [wan.tokenizer.decode(ids[a:b]).replace(" ", "") for a, b in spans] == ["fish,chips", "sea"]
 
 
 def test_tokenizers_without_offsets_find_the_same_clip_spans(sd15):
@@ -247,8 +254,10 @@ def test_entries_written_without_spans_get_them_from_the_caption(tmp_path, sd15)
     save_file({name: t for name, t in written.items() if name != "segment_spans"}, str(path))
     _, again = caption_sources(tmp_path, sd15, captions=CAPTIONS[:1], shuffle_tokens=True)
     assert "segment_spans" not in load_file(str(path))  # nothing re-encoded
+    assert "segment_spans" not in again.load(key)  # read as written: found only when a view needs them
+    for epoch in range(6):
+        assert torch.equal(again.view(0, epoch)["embeds"], cached.view(0, epoch)["embeds"])
     assert torch.equal(again.load(key)["segment_spans"], written["segment_spans"])
-    assert torch.equal(again.view(0, 1)["embeds"], cached.view(0, 1)["embeds"])
 
 
 def test_view_positions_keep_fixed_rows_and_shorten_variable_ones():
@@ -278,3 +287,110 @@ def test_token_dropout_is_accepted_with_cached_text_embeddings(tmp_path, registr
     process["datasets"][0]["token_dropout_rate"] = 0.2
     config, _ = load_config(str(write_job(tmp_path / "job.yaml", "x", process)), registry)
     assert config.config.process[0].datasets[0].token_dropout_rate == 0.2
+
+
+# ---- captions whose cleaning for the encoder makes commas -------------------------------------------------------
+
+
+class CommaCleaning(TextRules):
+    """Wan-style cleaning on sd15's CLIP: html entities unescaped ("&#44;" is a comma), a full-width comma made a
+    comma (as ftfy does), spaces collapsed. The cleaning is the same segment by segment."""
+
+    def encoder_text(self, caption: str) -> str:
+        return " ".join(html.unescape(caption).replace("\uff0c", ",").split())
+
+
+class AcrossCommas(CommaCleaning):
+    """A cleaning that reads across commas: an empty segment (", ,") disappears."""
+
+    def encoder_text(self, caption: str) -> str:
+        return super().encoder_text(caption).replace(", ,", ",")
+
+
+def cleaning(adapter, rules: type[TextRules], monkeypatch) -> TextRules:
+    """The adapter with `rules` as its text rules, its `encode_prompts` cleaning every prompt with them first (as Wan's
+    does)."""
+    text = rules(adapter)
+    encode = adapter.encode_prompts
+    monkeypatch.setattr(adapter, "text", text)
+    monkeypatch.setattr(adapter, "encode_prompts", lambda prompts: encode([text.encoder_text(p) for p in prompts]))
+    return text
+
+
+#: a full-width comma and an html comma inside segments: cleaned, each is a comma inside its segment
+CLEANED_CAPTIONS = ("red\uff0cround, shiny &#44; small, outdoors", "a photo, blue, grass")
+
+
+def test_commas_made_by_cleaning_stay_inside_their_segments_cached_and_live(tmp_path, sd15, monkeypatch):
+    rules = cleaning(sd15, CommaCleaning, monkeypatch)
+    # no shuffle or token dropout: the cache builds and every view is the whole entry
+    _, whole = caption_sources(tmp_path / "whole", sd15, captions=CLEANED_CAPTIONS, caption_dropout_rate=0.2)
+    for index in range(len(CLEANED_CAPTIONS)):
+        for epoch in range(4):
+            view = whole.view(index, epoch)
+            entry = whole.load(whole.own_key(index) if view["length"] > 2 else "")
+            assert torch.equal(view["embeds"], entry["embeds"])
+    # moved and dropped segments: the live token sequences
+    live, cached = caption_sources(tmp_path / "views", sd15, captions=CLEANED_CAPTIONS, **VIEW_KEYS)
+    key = cached.own_key(0)
+    assert cached.load(key)["segment_spans"].shape == (4, 2)  # sks, red，round, shiny &#44; small, outdoors
+    carrying_ids(cached, lambda caption: clip_ids(sd15, rules.encoder_text(caption)), monkeypatch)
+    moved = 0
+    for index in range(len(CLEANED_CAPTIONS)):
+        for epoch in range(8):
+            text = live.caption(index, epoch)
+            view = cached.view(index, epoch)
+            assert torch.equal(view["embeds"][:, 0], clip_ids(sd15, rules.encoder_text(text))), (index, epoch, text)
+            moved += text not in ("", ", ".join(split_segments(cached.own_key(index))))
+    assert moved > 0
+
+
+def test_segments_a_cleaning_hides_are_refused_naming_the_caption_file_only_where_views_move_them(tmp_path, sd15,
+                                                                                                   monkeypatch):
+    cleaning(sd15, AcrossCommas, monkeypatch)
+    captions = ("green, \uff0c, leaf", "plain, words")
+    # caption dropout alone needs no segments: the cache builds and reads
+    _, still = caption_sources(tmp_path / "still", sd15, captions=captions, caption_dropout_rate=0.3)
+    key = still.own_key(0)
+    assert "segment_spans" not in still.load(key)
+    assert {int(still.view(0, epoch)["length"]) for epoch in range(8)} == {2, int(still.load(key)["length"])}
+    # shuffled: refused before anything is encoded, naming the sample whose caption it is
+    with pytest.raises(SegmentsUnknown, match="img0.png.*set train.cache_text_embeddings: false") as refused:
+        caption_sources(tmp_path / "moving", sd15, captions=captions, shuffle_tokens=True)
+    assert isinstance(refused.value, UserError)
+    assert str(tmp_path / "moving" / "data" / "img0.png") in str(refused.value)
+    assert not (tmp_path / "moving" / "cache" / "text").exists()
+    # an entry read by a view that moves its segments (a cache the check did not see): the same error
+    moving = CachedCaptions(sd15, still.dataset, [still.cfgs[0].model_copy(update={"shuffle_tokens": True})], seed=3,
+                            trigger_word="sks", roots={0: tmp_path / "still" / "cache"})
+    with pytest.raises(SegmentsUnknown, match="img0.png"):
+        for epoch in range(8):
+            moving.view(0, epoch)
+    rows = sorted(still.load(still.own_key(1))["embeds"].tolist())
+    views = [moving.view(1, epoch) for epoch in range(8)]
+    assert all(sorted(v["embeds"].tolist()) == rows for v in views if int(v["length"]) > 2)  # its segments move
+
+
+# ---- a trigger word with commas ----------------------------------------------------------------------------------
+
+
+def test_a_trigger_word_with_commas_stays_whole_and_in_place():
+    trigger = "ohwx man, photo"
+    leading = split_segments(f"{trigger}, a, b, c, d, e")  # prepended: the trigger is the first two segments
+    inside = split_segments(f"a, b, {trigger}, c, d, e")  # `[trigger]` in the middle
+    for index in range(300):
+        generator = seeded_generator(2, "caption", 0, index)
+        order = plan_caption_view(leading, generator, shuffle=True, keep_tokens=0, token_dropout_rate=0.4,
+                                  trigger_word=trigger).order
+        assert order[:2] == (0, 1)
+        order = plan_caption_view(inside, seeded_generator(2, "caption", 1, index), shuffle=True, keep_tokens=1,
+                                  token_dropout_rate=0.4, trigger_word=trigger).order
+        kept = sorted(order)
+        assert {2, 3} <= set(kept)
+        assert order[kept.index(2)] == 2 and order[kept.index(3)] == 3  # both keep their slots: adjacent, in order
+        text = process_caption(", ".join(inside), seeded_generator(2, "caption", 1, index), shuffle=True,
+                               token_dropout_rate=0.4, trigger_word=trigger)
+        assert trigger in text
+    # a one-segment trigger word still marks the segment holding it, as before
+    assert plan_caption_view(["a", "b", "sks dog", "c"], seeded_generator(0, "caption", 0, 0), token_dropout_rate=1.0,
+                             trigger_word="sks").order == (0, 2)

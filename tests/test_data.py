@@ -7,6 +7,7 @@ import logging
 import pytest
 from helpers import make_image
 from PIL import Image
+from pydantic import ValidationError
 
 from toolkit.config.schema import DatasetConfig
 from toolkit.data.buckets import BucketBatchSampler, bucket_sizes, nearest_bucket, resolutions_for_image
@@ -136,3 +137,11 @@ def test_num_repeats_and_several_datasets(tmp_path):
         "sks", divisor=16,
     )
     assert [item.record.caption for item in dataset.items] == ["sks", "sks", "sks", "dog"]
+
+
+def test_a_mask_folder_that_is_the_image_folder_is_refused(tmp_path):
+    make_image(tmp_path / "data" / "a.png", (32, 32))
+    for mask_path in (str(tmp_path / "data"), str(tmp_path / "data") + "/", str(tmp_path / "data" / ".." / "data")):
+        with pytest.raises(ValidationError, match="mask_path is the image folder itself.*a folder of their own"):
+            DatasetConfig(folder_path=str(tmp_path / "data"), mask_path=mask_path)
+    assert DatasetConfig(folder_path=str(tmp_path / "data"), mask_path=str(tmp_path / "masks")).mask_path

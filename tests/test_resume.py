@@ -70,19 +70,23 @@ def test_ctrl_c_then_rerun_continues_exactly_on_one_process(tmp_path, uninterrup
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def interrupted_jobs(tmp_path) -> list[str]:
+    """The job the shared two-process launch (conftest.py `two_process_launch`) interrupts after 5 updates."""
+    return [str(write_job(tmp_path / "job.yaml", "ddp", resume_process(tmp_path)))]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(tmp_path):
-    """Interrupted after 5 updates, then rerun; the same job under another name runs straight through in the
-    rerun's launch (after it, in the same two processes) as the reference. In that launch too: a run saved by one
-    process continues on two (`grow`)."""
-    job = write_job(tmp_path / "job.yaml", "ddp", resume_process(tmp_path))
+def test_ctrl_c_then_rerun_continues_exactly_on_two_processes(two_process_launch):
+    """Interrupted after 5 updates (the last job of the shared launch), then rerun; the same job under another name
+    runs straight through in the rerun's launch (after it, in the same two processes) as the reference. In that
+    launch too: a run saved by one process continues on two (`grow`)."""
+    tmp_path, interrupted = two_process_launch
+    job = tmp_path / "job.yaml"
     reference = write_job(tmp_path / "reference.yaml", "reference", resume_process(tmp_path))
     grow = resume_process(tmp_path, steps=4, lr_scheduler="constant")
     assert run.main([str(write_job(tmp_path / "grow.yaml", "grow", grow))]) == 0
     grow["train"]["steps"] = 6
-    interrupted = launch(job, 2, cwd=tmp_path, script=REPO / "tests" / "instrumented_run.py",
-                         env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "5"})
     assert interrupted.returncode == 0, interrupted.stderr[-3000:]
     assert "stopped at step 5" in interrupted.stderr
     state = json.loads((tmp_path / "output" / "ddp" / "checkpoints" / "step_000000005" / "train_state.json").read_text())

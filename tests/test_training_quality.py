@@ -39,10 +39,11 @@ from toolkit.train.validation import HeldOut, Validation, noise_levels, split_he
 VALIDATION = {"split": 0.25, "every": 2, "timesteps": 4, "batch_size": 2}
 
 
-def quality_process(tmp_path: Path, train: dict, **sections) -> dict:
-    """8 updates on the shipped images with a validation split; every update checkpointed (all kept)."""
+def quality_process(tmp_path: Path, train: dict, save_every: int = 1, **sections) -> dict:
+    """8 updates on the shipped images with a validation split; every `save_every` update checkpointed (all kept)."""
     return trainer_process(tmp_path, train={"steps": 8, **train}, validation=VALIDATION,
-                           save={"save_every": 1, "max_step_saves_to_keep": 20, "formats": ["diffusers"]}, **sections)
+                           save={"save_every": save_every, "max_step_saves_to_keep": 20, "formats": ["diffusers"]},
+                           **sections)
 
 
 def val_losses(run_dir: Path) -> dict[int, float]:
@@ -128,9 +129,13 @@ def test_schedule_free_with_ema_resumes_exactly_and_saves_its_average_weights(tm
 
 @pytest.mark.slow
 def test_prodigy_logs_its_estimate_resumes_exactly_and_lowers_the_held_out_loss(tmp_path, registry):
-    process = quality_process(tmp_path, {"optimizer": "prodigy", "lr": 1.0, "optimizer_params": {"d0": 1e-4}})
+    process = quality_process(tmp_path, {"optimizer": "prodigy", "lr": 1.0, "optimizer_params": {"d0": 1e-4}},
+                              save_every=0)
     straight = tmp_path / "output" / "straight"
+    straight.mkdir(parents=True)  # a fresh start's folder with a stale step-0 line (a crash before any checkpoint)
+    (straight / "metrics.jsonl").write_text('{"step": 0, "epoch": 0, "val_loss": 123.0}\n')
     assert run.main([str(write_job(tmp_path / "straight.yaml", "straight", process))]) == 0
+    assert [r["val_loss"] != 123.0 for r in read_metrics(straight / "metrics.jsonl") if r["step"] == 0] == [True]
     resumed = interrupted_and_resumed(tmp_path, "resumed", process)
     assert_same_training(straight, resumed)
     records = [r for r in read_metrics(straight / "metrics.jsonl") if "loss" in r]
@@ -294,6 +299,9 @@ def test_learning_rate_free_settings_are_checked_with_the_config(tmp_path, regis
         load_config(str(write_job(tmp_path / "s.yaml", "s", process)), registry)
     assert "replaces the LR schedule" in str(error.value) and "validation: Value error, give `folder_path`" in str(
         error.value)
+    with pytest.raises(ConfigError, match="the EMA would never start"):
+        load_config(str(write_job(tmp_path / "n.yaml", "n", trainer_process(
+            tmp_path, train={"steps": 4, "ema": {"start_step": 4}}))), registry)
     with pytest.raises(ConfigError, match="sample.use_ema: there is no EMA"):
         load_config(str(write_job(tmp_path / "e.yaml", "e", trainer_process(tmp_path, sample={"use_ema": True}))),
                     registry)
@@ -307,6 +315,11 @@ def test_validation_time_is_not_training_time(monkeypatch):
     with throughput.paused():  # 1 -> 5
         pass
     assert throughput.read()["time"] == 2.0  # 6 - 0 - 4
+
+
+def encode(validation: Validation, rank: int, processes: int) -> None:
+    validation.encode_latents(rank, processes)
+    validation.encode_prompts()
 
 
 def test_validation_batches_are_fixed_whatever_the_process_count_and_masks_weight_a_split(tmp_path, tiny_sd15):
@@ -343,18 +356,29 @@ def test_validation_batches_are_fixed_whatever_the_process_count_and_masks_weigh
 
     whole = validation()
     assert [len(rows) for rows in whole.batch_rows()] == [2, 2, 2]  # 4 squares then 2 wide: sizes never mixed
-    whole.prepare(0, 1)
+    encode(whole, 0, 1)
     alone = whole.losses(adapter.unet)
     shares = []
     for rank in (0, 1):
         part = validation()
-        part.prepare(rank, 2)
+        encode(part, rank, 2)
         assert [b.number for b in part.batches] == list(range(rank, 3, 2))
         shares.append(part.losses(adapter.unet))
     assert torch.equal(shares[0] + shares[1], alone)
     assert whole.batches[0].mask is not None and whole.batches[-1].mask is None
     unmasked = validation(unmasked=True)
-    unmasked.prepare(0, 1)
+    encode(unmasked, 0, 1)
     plain = unmasked.losses(adapter.unet)
     assert torch.equal(plain[4:], alone[4:]) and not torch.equal(plain[:4], alone[:4])
     assert whole.figures(alone)["val_loss"] == alone.mean().item()
+
+
+def test_a_missing_validation_folder_is_named_before_any_model_loads(tmp_path):
+    from toolkit.config.preflight import path_problems
+    from toolkit.config.schema import SDTrainerConfig
+
+    process = SDTrainerConfig.model_validate(trainer_process(tmp_path, validation={"folder_path": str(tmp_path / "no")}))
+    assert path_problems(process) == [f"validation.folder_path: folder not found: {tmp_path / 'no'}"]
+    (tmp_path / "empty").mkdir()
+    process = SDTrainerConfig.model_validate(trainer_process(tmp_path, validation={"folder_path": str(tmp_path / "empty")}))
+    assert path_problems(process)[0].startswith("validation.folder_path: no images")

@@ -1,8 +1,9 @@
 """Writing a file so that a reader (or a crash) never sees half of it: write a temporary sibling, then rename.
 
 Every file difftune writes in a run folder or a cache goes through `write_atomic`. The temporary name holds the
-process id, so processes writing the same file at once (e.g. cache entries, a concurrent `--report`) never share
-one; whichever rename comes last wins, and each of them is a whole file.
+process id and a random part, so processes writing the same file at once (e.g. cache entries, a concurrent
+`--report`), on one host or on several sharing a file system (where process ids repeat), never share one; whichever
+rename comes last wins, and each of them is a whole file.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +23,7 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     rename. On any failure the temporary file is removed and `path` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
     try:
         write(tmp)
         # some writers (safetensors) create their files private to the owner: every file of a run gets the

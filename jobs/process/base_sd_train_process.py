@@ -24,7 +24,7 @@ from toolkit.config.loader import check_paths
 from toolkit.config.schema import SDTrainerConfig
 from toolkit.data.dataset import scan_datasets
 from toolkit.data.training_data import TrainingData
-from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, torch_dtype
+from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, modules_on, torch_dtype
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
 from toolkit.network.files import file_has_component, load_component, part_file, write_comfy_file
@@ -77,6 +77,7 @@ class BaseSDTrainProcess(BaseProcess):
             if resume_from is not None:
                 self.position = self.checkpoints.resume(resume_from, self.plan.micro_batches_per_epoch,
                                                         cfg.train.gradient_accumulation)
+                self.warn_of_a_new_split(self.checkpoints.resumed_config)
             self.open_run_folder(resumed=resume_from is not None)
             self.monitor.planned(self.plan, self.position.global_step, resume_from is not None, self.sampler)
             if self.position.global_step >= self.plan.total_updates and resume_from is not None:
@@ -155,14 +156,26 @@ class BaseSDTrainProcess(BaseProcess):
         self.checkpoints = Checkpoints(acc, self.folder.checkpoints, cfg.save.max_step_saves_to_keep, parts,
                                        cfg.model_dump(mode="json"), self.lora_metadata, cfg.logging.debug_memory)
 
+    def warn_of_a_new_split(self, saved: dict) -> None:
+        """A validation split the run did not have from its start holds out images that were trained on."""
+        split = self.config.validation.split if self.config.validation is not None else None
+        before = (saved.get("validation") or {}).get("split")
+        same_seed = (saved.get("train") or {}).get("seed") == self.config.train.seed
+        if split is not None and (before != split or not same_seed) and self.accelerator.is_main_process:
+            log.warning("validation.split %s is new since the checkpoint: its held-out images were trained on until "
+                        "step %d, so the validation loss reads lower than it would", split, self.position.global_step)
+
     def make_validation(self, held_out: HeldOut) -> Validation:
-        """The validation part: the held-out samples encoded once (the encoders visit the accelerator for it)."""
+        """The validation part: the held-out samples encoded once, the image encoder and then the text encoder brought
+        to the accelerator for it where caching or `low_vram` sent them away (one at a time, as for samples)."""
         cfg, acc, adapter = self.config, self.accelerator, self.adapter
         validation = Validation(cfg.validation, held_out.items(adapter.divisor), cfg.train.objective, cfg.train.seed,
                                 adapter, sizes=adapter.facts.size_conditioning,
                                 mask_min_values=held_out.mask_min_values())
-        with self.placement.visiting(adapter.image_encoder_modules() + adapter.text_encoder_modules()):
-            validation.prepare(acc.process_index, acc.num_processes)
+        with modules_on(adapter.image_encoder_modules(), self.placement.device):
+            validation.encode_latents(acc.process_index, acc.num_processes)
+        with modules_on(adapter.text_encoder_modules(), self.placement.device):
+            validation.encode_prompts()
         return validation
 
     def load_model(self) -> ModelAdapter:
@@ -368,6 +381,7 @@ class BaseSDTrainProcess(BaseProcess):
         grad_norm = acc.clip_grad_norm_(self.lora_params, self.config.train.max_grad_norm or float("inf"))
         lr, *others = self.lr_scheduler.get_last_lr()
         self.text_encoder_lr = others[0] if others else None
+        self.step_figures = optimizer_figures(self.optimizer)  # before the step: Prodigy's d for this update
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if acc.optimizer_step_was_skipped:
@@ -398,13 +412,13 @@ class BaseSDTrainProcess(BaseProcess):
 
     def optimizer_readings(self, update: UpdateValues) -> dict:
         """The LR the update used (the optimizer's own where it picks it) and its update RMS, for a metrics line."""
-        readings = {"lr": logged_lr(self.optimizer, update.scheduled_lr)}
+        readings = {"lr": logged_lr(self.optimizer, update.scheduled_lr, self.step_figures)}
         if self.text_encoder_lr is not None:
             readings["lr_text_encoder"] = self.text_encoder_lr
         rms = update_rms(self.optimizer)
         if rms is not None:
             readings["update_rms"] = float(rms)
-        return readings | optimizer_figures(self.optimizer)
+        return readings | self.step_figures
 
     def validation_due(self, step: int) -> bool:
         return self.validation is not None and self.validation.due(step, self.plan.total_updates)
@@ -412,7 +426,7 @@ class BaseSDTrainProcess(BaseProcess):
     def validate(self) -> dict[str, float]:
         """The validation figures of the current weights (schedule-free: its averaged weights), on every process
         together; the trained modules in eval mode, the global RNG untouched, not counted as training time."""
-        module = self.accelerator.unwrap_model(self.trained_module)
+        module = self.adapter.trainable_module()  # outside DDP and torch.compile; accelerate's autocast is on it
         devices = [self.accelerator.device.index or 0] if self.accelerator.device.type == "cuda" else []
         with (self.monitor.throughput.paused(), evaluation_weights(self.optimizer), in_eval_mode(self.trained_modules),
               torch.random.fork_rng(devices=devices)):
@@ -480,9 +494,11 @@ class BaseSDTrainProcess(BaseProcess):
     def report_already_complete(self) -> None:
         log.info("training is already complete at step %d (train.steps / epochs give %d); raise them to continue",
                  self.position.global_step, self.plan.total_updates)
-        first_part = self.components[0].file_part
-        if self.accelerator.is_main_process and not self.folder.final_lora_form(
-                self.adapter.files.primary, self.adapter.files.primary, first_part).exists():
+        first_part, primary = self.components[0].file_part, self.adapter.files.primary
+        missing = not self.folder.final_lora_form(primary, primary, first_part).exists()
+        if self.ema is not None and self.ema.started:
+            missing |= not self.folder.final_lora_form(primary, primary, first_part, ema=True).exists()
+        if self.accelerator.is_main_process and missing:
             self.write_final_loras()
         self.monitor.write_report()
         self.monitor.ended("finished", self.position.global_step)

@@ -48,6 +48,15 @@ def path_problems(process: BaseModel) -> list[str]:
                     normalize_path(value, f"{prefix}.{key}")
                 except PathNotFound as err:
                     problems.append(str(err))
+    validation = getattr(process, "validation", None)
+    held_out = getattr(validation, "folder_path", None)
+    if held_out:
+        folder = Path(held_out).expanduser()
+        if not folder.is_dir():
+            problems.append(f"validation.folder_path: folder not found: {held_out}")
+        elif not sample_files(folder, video):
+            problems.append(f"validation.folder_path: no {'images or clips' if video else 'images'} "
+                            f"({', '.join(sample_extensions(video))}) in {held_out}")
     network = getattr(process, "network", None)
     lora = getattr(network, "pretrained_lora_path", None)
     if lora and not Path(lora).expanduser().exists():  # a file, or a peft adapter folder

@@ -152,8 +152,10 @@ class DatasetConfig(Section):
                                   "extension): white trains, black is left out. Each mask follows its image's resize, "
                                   "crop and flips, is area-resized to the latent grid and weights the per-element "
                                   "loss; a sample's loss is the mean over the area it trains. It travels with the "
-                                  "latent cache. A sample without a mask trains everywhere (one warning names them).",
-                                  json_schema_extra=aka("mask_folder", "alpha_mask"))
+                                  "latent cache. A sample without a mask trains everywhere (one warning names them). "
+                                  "8-bit, 16-bit, 32-bit and float masks are read by their own range; a colour mask "
+                                  "as its luminance. Not the image folder itself (its masks would be samples).",
+                                  json_schema_extra=aka("mask_folder"))
     mask_min_value: float = Field(0.0, ge=0, le=1, description="Mask values are raised to at least this (0-1): the "
                                   "masked-out areas keep this much weight.")
 
@@ -179,6 +181,15 @@ class DatasetConfig(Section):
     def _expanded(cls, value: str | None) -> str | None:
         """`~` and `$VARS` expanded once here, so the pre-run check and the loader read the same folder."""
         return None if value is None else os.path.expandvars(os.path.expanduser(value.strip()))
+
+    @model_validator(mode="after")
+    def _masks_beside_the_images(self) -> DatasetConfig:
+        """The mask folder is another folder: in the image folder, the masks would be read as samples too."""
+        if self.mask_path is not None and os.path.realpath(self.mask_path) == os.path.realpath(self.folder_path):
+            raise ValueError(f"mask_path is the image folder itself ({self.folder_path}): its masks would be "
+                             "trained on as images; put the masks in a folder of their own (named like the images) "
+                             "and give that folder")
+        return self
 
 
 class LRSchedulerParams(Section):
@@ -423,6 +434,9 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
         problems += optimizer_param_problems(self.optimizer, self.optimizer_params)
         problems += self._relative_step_problems()
         problems += self._learning_rate_free_problems()
+        if self.ema is not None and self.steps is not None and self.ema.start_step >= self.steps:
+            problems.append(f"`ema.start_step` ({self.ema.start_step}) is not before the last update ({self.steps}): "
+                            "the EMA would never start; lower it")
         low, high = self.timestep_range
         if not 0 <= low < high <= 1:
             problems.append(f"`timestep_range` must be [min, max] with 0 <= min < max <= 1, got {self.timestep_range}")

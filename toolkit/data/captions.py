@@ -72,6 +72,29 @@ def canonical_caption(caption: str) -> str:
     return join_segments(split_segments(caption))
 
 
+def trigger_segments(segments: list[str], trigger_word: str | None) -> set[int]:
+    """Indices of the segments that hold the trigger word: those that an occurrence of it overlaps in the segments
+    joined as a view writes them (`join_segments`). A trigger word with commas ("ohwx man, photo") is itself several
+    segments (written as `canonical_caption` writes it), and each segment it spans holds it."""
+    if not trigger_word:
+        return set()
+    wanted = canonical_caption(trigger_word) or trigger_word.strip()
+    if not wanted:
+        return set()
+    text = join_segments(segments)
+    ranges, start = [], 0
+    for segment in segments:
+        ranges.append((start, start + len(segment)))
+        start += len(segment) + 2  # ", "
+    held: set[int] = set()
+    found = text.find(wanted)
+    while found >= 0:
+        stop = found + len(wanted)
+        held.update(k for k, (first, end) in enumerate(ranges) if found < end and stop > first)
+        found = text.find(wanted, found + 1)
+    return held
+
+
 @dataclass(frozen=True)
 class CaptionView:
     """One training view of a caption: the blank prompt (caption dropout), or the caption's segments
@@ -100,15 +123,17 @@ def plan_caption_view(
     `token_dropout_rate` is set: each is dropped with that probability); one permutation of the segments that may
     move (when shuffling and more than one may). The first `keep_tokens` segments stay in place, and so does a
     segment holding the trigger word: it is never dropped and keeps its slot among the kept segments while the
-    others are shuffled around it.
+    others are shuffled around it. A trigger word with commas spans several segments: each of them holds it
+    (`trigger_segments`), so the trigger word stays whole and where it was.
     """
     if caption_dropout_rate and torch.rand((), generator=generator).item() < caption_dropout_rate:
         return CaptionView(blank=True, order=())
     fixed = list(range(min(keep_tokens, len(segments))))
     rest = list(range(len(fixed), len(segments)))
+    trigger = trigger_segments(segments, trigger_word)
 
     def holds_trigger(index: int) -> bool:
-        return bool(trigger_word) and trigger_word in segments[index]
+        return index in trigger
 
     if token_dropout_rate and rest:
         draws = torch.rand(len(rest), generator=generator).tolist()

@@ -7,7 +7,8 @@ the same on any process count, in any DataLoader worker and after a resume. The 
 dataset inside each index (`buckets.EpochIndex`). A picture is resized to cover its bucket, cropped at the variant's
 offset, then mirrored; every frame of a clip alike.
 
-Loss masks (`datasets[].mask_path`): a grayscale image per sample, same base name, read as 0-1 and raised to
+Loss masks (`datasets[].mask_path`): a grayscale image per sample, same base name, read as 0-1 (8-bit, 16-bit, 32-bit
+or float, each by its own range; a colour image as its luminance: `mask_values`) and raised to
 `mask_min_value`, goes through the same resize, crop and mirror as its picture (`load_mask`); the objective brings it
 to the latent grid. In a job where any dataset has masks, every sample carries one (all ones where there is none).
 
@@ -282,11 +283,21 @@ def draw_variant(item: TrainItem, options: SampleOptions, seed: int, epoch: int,
 
 def image_sizes(item: TrainItem, variant: Variant | None = None) -> torch.Tensor:
     """The item's size facts as SDXL conditions on them (its `add_time_ids`): original height and width, the
-    crop's top and left in the resized image (where the variant cut it, before any mirror; the centre without
-    one), target height and width. int64, shape [6]."""
+    crop's top and left, target height and width. int64, shape [6].
+
+    The crop's top and left say how far the picture the model sees was cut from the resized image's top and left
+    edges (the centre crop without a variant). A mirror swaps the edges: mirrored left-right (`flip_x`), the
+    picture's left edge is the crop's right one, `resized width - bucket width - left` from the resized image's
+    (mirrored) left edge; likewise top-bottom (`flip_y`), `resized height - bucket height - top`. So a picture and
+    its mirror report the same cut from the edges they show, as kohya's sd-scripts do."""
     variant = variant or centre_variant(item)
     target_w, target_h = item.bucket
-    return torch.tensor([item.record.height, item.record.width, variant.top, variant.left, target_h, target_w])
+    left, top = variant.left, variant.top
+    if variant.flip_x or variant.flip_y:
+        resized_w, resized_h = crop_plan(item.record.width, item.record.height, item.bucket).resized
+        left = resized_w - target_w - left if variant.flip_x else left
+        top = resized_h - target_h - top if variant.flip_y else top
+    return torch.tensor([item.record.height, item.record.width, top, left, target_h, target_w])
 
 
 def load_pixels(item: TrainItem, variant: Variant | None = None) -> torch.Tensor:
@@ -318,20 +329,40 @@ def _clip_pixels(item: TrainItem, variant: Variant | None) -> torch.Tensor:
     return pixels[:, 0] if pixels.shape[1] == 1 else pixels
 
 
+def mask_values(picture: Image.Image) -> np.ndarray:
+    """A mask picture as float32 [H, W] in 0-1, each mode scaled by its own range: 16-bit grayscale (`I;16`,
+    `I;16B`, ...) by 65535; 32-bit integer (`I`, as older Pillows open 16-bit PNGs) by 65535 where no value exceeds
+    it (a 16-bit mask), else by 2**31 - 1 (the mode's maximum), negative values 0; floating point (`F`) as it is,
+    clipped to 0-1; 8-bit grayscale (`L`), and palette (`P`) and 1-bit (`1`) masks through their gray levels, by 255.
+    A colour mask (RGB, RGBA, LA, CMYK, ...) is read as its luminance (Pillow's `convert("L")`, ITU-R 601-2 luma;
+    any alpha channel is ignored), by 255."""
+    mode = picture.mode
+    if mode.startswith("I;16"):
+        return np.asarray(picture).astype(np.float32) / np.float32(65535)
+    if mode == "I":
+        values = np.asarray(picture).astype(np.float64)
+        top = 65535 if values.size == 0 or values.max() <= 65535 else 2**31 - 1
+        return np.clip(values / top, 0.0, 1.0).astype(np.float32)
+    if mode == "F":
+        return np.clip(np.asarray(picture, dtype=np.float32), 0.0, 1.0)
+    return np.asarray(picture.convert("L"), dtype=np.float32) / np.float32(255)
+
+
 def load_mask(item: TrainItem, variant: Variant | None = None, min_value: float = 0.0) -> torch.Tensor:
-    """The item's loss mask, made as its pixels are (`load_pixels`): the mask file read as grayscale, 0-255 -> 0-1,
-    raised to at least `min_value`, stretched over its image (a mask of another size still covers it), resized to
-    cover the bucket, cropped and mirrored as the variant says: float32 [1, H, W]. Resized bilinearly (bicubic
-    would overshoot a mask's edges). All ones for an item without a mask file; a clip has one mask for every frame."""
+    """The item's loss mask, made as its pixels are (`load_pixels`): the mask file read as 0-1 by its mode's range
+    (`mask_values`: 8-bit 0-255, 16-bit 0-65535, float as is; colour as luminance), raised to at least
+    `min_value`, stretched over its image (a mask of another size still covers it), resized to cover the bucket,
+    cropped and mirrored as the variant says: float32 [1, H, W]. Resized bilinearly (bicubic would overshoot a mask's
+    edges). All ones for an item without a mask file; a clip has one mask for every frame."""
     width, height = item.bucket
     if item.record.mask is None:
         return torch.ones(1, height, width)
     try:
         with Image.open(item.record.mask) as opened:
-            gray = np.asarray(ImageOps.exif_transpose(opened).convert("L"), dtype=np.float32)
+            values = mask_values(ImageOps.exif_transpose(opened))
     except Exception as err:
         raise DatasetError(f"cannot read mask {item.record.mask}: {err}") from err
-    plane = Image.fromarray(np.maximum(gray / 255.0, np.float32(min_value)))  # a float32 plane: mode F
+    plane = Image.fromarray(np.maximum(values, np.float32(min_value)))  # a float32 plane: mode F
     plane = plane.resize((item.record.width, item.record.height), Image.Resampling.BILINEAR)
     return _mirrored(torch.from_numpy(_fit(plane, item.bucket, variant, Image.Resampling.BILINEAR))[None], variant)
 

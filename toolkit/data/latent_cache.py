@@ -11,11 +11,16 @@ Variants (`datasets[].flip_x`, `flip_y`, `random_crop`): the variant's name in t
 crop unflipped, as every key was before augmentation, and names the crop offset and the flips otherwise
 (`variant_name`), so entries written before keep their keys. The centre variant of every item is encoded before
 training (`build`); other variants cannot all be known in advance (a random crop has as many as its slack allows),
-so one is encoded when it is first drawn and then kept like the rest, on disk or in memory as its dataset asks. The
-data loader never runs the encoder: a sample whose variant has no entry comes as pixels with the key to store it under,
-and the training loop encodes those rows one by one, as `build` does, stores them and merges them with the batch's
-cached rows in batch order (`complete`). A row's latent is therefore the entry's distribution whether the entry was
-found or made now, and is drawn from it as from any cached row (`latents_from_dist` of the batch's distribution).
+so one is encoded when it is first drawn and then kept like the rest, on disk or in memory as its dataset asks. Only
+such a dataset's entries are made while training: an entry of a dataset without flips or crops that is missing or
+damaged (a cache folder deleted mid-run) is an error naming it and its image, never encoded again on an image encoder
+that may have left the device (a variant of a dataset that draws them is encoded again when drawn: its encoder stays).
+The data loader never runs the encoder: a sample whose variant has no entry comes as pixels with the key to store it
+under, and the training loop encodes those rows one by one, as `build` does, stores them and merges them with the
+batch's cached rows in batch order (`complete`). A row's latent is therefore the entry's distribution whether the
+entry was found or made now, and is drawn from it as from any cached row (`latents_from_dist` of the batch's
+distribution). A mirrored variant's size facts are read as `image_sizes` says (its crop counted from the edges the
+mirrored picture shows), also from entries written when they were counted before the mirror.
 
 Loss masks (`datasets[].mask_path`): an entry of a dataset with masks also holds the variant's mask on the latent grid
 [1, h, w] (area-resized, `losses.mask_to_grid`), and its key adds the mask file's digest and `mask_min_value`
@@ -178,17 +183,28 @@ class LatentCache:
         return self.entry(item, self.keys[index] if variant is None else self.key(item, variant), variant)
 
     def entry(self, item: TrainItem, key: str, variant: Variant | None) -> CachedLatent | None:
+        """The entry stored under `key`, None where a dataset that draws variants has none yet (it is encoded when
+        drawn, by `complete`). Every entry of a dataset that does not vary was made by `build`, and its image encoder
+        may have left the device since: a missing or damaged one is an error naming it and its image, never encoded
+        again in the middle of training."""
+        grows = self.dataset.options_for(item.dataset).varies
         if not self.to_disk[item.dataset]:
+            if key not in self.memory and not grows:  # `build` made them all, before any loader copied the dataset
+                raise RuntimeError(f"the latent of {item.record.path} is missing from the in-memory cache")
             return self.memory.get(key)
         path = self.entry_path(item, key)
-        if not path.is_file():
+        if grows and not path.is_file():
             return None
         try:
             tensors = load_file(str(path))
-        except Exception as err:  # a damaged entry: name it
+        except Exception as err:  # a damaged or deleted entry: name it
             raise RuntimeError(f"cached latent {path} for {item.record.path} is unreadable ({err}); delete the cache "
                                "folder to rebuild it") from err
         if "image_sizes" not in tensors:  # written before entries kept them: the same crop plan made it
+            tensors["image_sizes"] = image_sizes(item, variant)
+        elif variant is not None and (variant.flip_x or variant.flip_y):
+            # a mirrored variant's crop is counted from the edges it shows (`image_sizes`); entries written before
+            # counted it from the unmirrored ones
             tensors["image_sizes"] = image_sizes(item, variant)
         dist = LatentDist(tensors["mean"], tensors.get("std"))
         return CachedLatent(dist, tensors["image_sizes"], tensors.get("mask"))

@@ -4,7 +4,9 @@ Both sources draw each sample's caption view (caption and token dropout, segment
 (`plan_caption_view`) from the same generator, keyed by (seed, "caption", epoch, sample): live captions join the
 planned segments and encode the text, cached ones move the planned segments' token positions of the cached
 embedding. So a resumed run sees exactly the captions an uninterrupted one saw, and a cached run the token
-sequences a live one sees (as far as the tokenizer allows: `view_positions`).
+sequences a live one sees (as far as the tokenizer allows: `view_positions`). A cached view that is the whole
+caption (no segment dropped or moved) is the entry as written; only views that move or drop segments need the
+entry's segment spans (`segment_spans`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from tqdm.auto import tqdm
 from toolkit.config.sections import DatasetConfig
 from toolkit.data.captions import (
     canonical_caption,
+    join_segments,
     plan_caption_view,
     process_caption,
     segment_ranges,
     split_segments,
 )
 from toolkit.data.dataset import ImageDataset
+from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter, PromptEmbeds, TextRules, join_padded
 from toolkit.run.metrics import progress_bars_wanted
@@ -36,6 +40,11 @@ from toolkit.train.seeding import seeded_generator
 log = logging.getLogger("difftune")
 BLANK = ""
 RECENT_ENTRIES = 128  # cached prompts kept in memory (an SD 1.x entry is about 240 KB)
+
+
+class SegmentsUnknown(UserError, ValueError):
+    """A cached caption whose views move or drop segments, but whose segments cannot be told in the text the family's
+    text encoder reads; the message names the caption file and what to do."""
 
 
 class LiveCaptions:
@@ -91,15 +100,39 @@ def prefix_token_spans(tokenizer, text: str, ranges: list[tuple[int, int]]) -> l
     return [(count(text[:start].rstrip()), count(text[:stop])) for start, stop in ranges]
 
 
-def segment_spans(rules: TextRules, caption: str, length: int) -> torch.Tensor:
-    """[segments, 2] int64: the [first, stop) positions of each comma-separated segment of `caption`
-    (`split_segments`) in its embeddings (`length` tokens) from `encode_prompts`. A segment cut off by the
-    encoder's length limit is clipped (to nothing when it starts after the limit)."""
+def encoder_segments(rules: TextRules, caption: str) -> tuple[str, list[tuple[int, int]]] | None:
+    """The text the family's tokenizer reads for `caption` (`encoder_text` of the whole caption, as `encode_prompts`
+    cleans it) and the [start, stop) character range in it of each comma-separated segment of `caption`
+    (`split_segments`); None where they cannot be told.
+
+    Each segment is cleaned alone and the cleaned segments are joined with ", ": where that is the whole caption's
+    cleaned text, each segment's range is where its cleaned text stands, commas the cleaning made inside a segment
+    (Wan: "&#44;", a full-width "，" that ftfy turns into ",") included, so the segment count never changes. A live
+    view joins its segments with ", " and cleans the whole, which (the cleaning being the same segment by segment)
+    is the cleaned segments joined in the view's order: the tokens the cached view moves. Otherwise (a caption not
+    written as `canonical_caption` writes it) the cleaned text's own comma-separated segments are taken where they
+    are the cleaned segments; else (a cleaning that reads across commas) None."""
     text = rules.encoder_text(caption)
+    cleaned = [rules.encoder_text(segment) for segment in split_segments(caption)]
+    if join_segments(cleaned) == text:
+        ranges, start = [], 0
+        for segment in cleaned:
+            ranges.append((start, start + len(segment)))
+            start += len(segment) + 2  # ", "
+        return text, ranges
     ranges = segment_ranges(text)
-    if len(ranges) != len(split_segments(caption)):
-        raise ValueError(f"the caption {caption!r} has other comma-separated segments once cleaned for the text "
-                         f"encoder ({text!r}); write its commas as plain commas")
+    return (text, ranges) if [text[start:stop] for start, stop in ranges] == cleaned else None
+
+
+def segment_spans(rules: TextRules, caption: str, length: int) -> torch.Tensor | None:
+    """[segments, 2] int64: the [first, stop) positions of each comma-separated segment of `caption`
+    (`split_segments`) in its embeddings (`length` tokens) from `encode_prompts`, found in the text the tokenizer
+    reads (`encoder_segments`); None where the segments cannot be told there. A segment cut off by the encoder's
+    length limit is clipped (to nothing when it starts after the limit)."""
+    found = encoder_segments(rules, caption)
+    if found is None:
+        return None
+    text, ranges = found
     tokenizer = rules.tokenizer
     find = offset_token_spans if tokenizer.is_fast else prefix_token_spans
     first, stop = rules.caption_token_span(length)
@@ -151,7 +184,11 @@ def view_positions(spans: torch.Tensor, order: tuple[int, ...], caption_span: tu
 
 class CachedCaptions:
     """One cached embedding per distinct caption (plus the blank prompt); the text encoder can leave. An entry
-    encodes the caption as its whole view is written (`canonical_caption`), with its segments' token spans."""
+    encodes the caption as its whole view is written (`canonical_caption`), with its segments' token spans where
+    they can be told (`segment_spans`). Only datasets that move or drop segments (`shuffle_tokens`,
+    `token_dropout_rate`) need them: for their captions `build` checks first that they can be told, and names the
+    caption file otherwise (`SegmentsUnknown`); an entry written without them gets them from its caption when a view
+    first needs them."""
 
     def __init__(self, adapter: ModelAdapter, dataset: ImageDataset, cfgs: list[DatasetConfig], seed: int,
                  trigger_word: str | None, roots: dict[int, Path]):
@@ -169,10 +206,21 @@ class CachedCaptions:
         key = hashlib.sha256(f"{self.identity}|{caption}".encode()).hexdigest()[:32]
         return self.folder_of[caption] / "text" / f"{key}.safetensors"
 
+    def moves_segments(self, index: int) -> bool:
+        """Whether a sample's caption views may drop or move segments (its dataset shuffles or drops them), so that
+        its cached entry needs segment spans; caption dropout alone does not (its view is the blank prompt)."""
+        cfg = self.cfgs[self.dataset.items[index].dataset]
+        return cfg.shuffle_tokens or cfg.token_dropout_rate > 0
+
     def build(self, accelerator, batch_size: int = 16) -> None:
         """Encode the captions not yet on disk, shared out across processes."""
+        checked = set()
         for index in range(len(self.dataset)):
-            self.own_key(index)  # an uncachable sample fails here, before any encoding
+            key = self.own_key(index)  # an uncachable sample fails here, before any encoding
+            if self.moves_segments(index) and key not in checked:  # so does a caption whose segments are unknown
+                if encoder_segments(self.adapter.text, key) is None:
+                    raise self.segments_unknown(key, index)
+                checked.add(key)
         captions = sorted(self.folder_of)
         mine = [c for c in captions[accelerator.process_index :: accelerator.num_processes] if not self.path(c).is_file()]
         if accelerator.is_main_process:
@@ -194,7 +242,9 @@ class CachedCaptions:
         tensors["length"] = embeds.lengths[row].reshape(1).cpu()
         if embeds.pooled is not None:
             tensors["pooled"] = embeds.pooled[row].cpu().contiguous()
-        tensors["segment_spans"] = segment_spans(self.adapter.text, caption, int(embeds.lengths[row]))
+        spans = segment_spans(self.adapter.text, caption, int(embeds.lengths[row]))
+        if spans is not None:  # kept where they can be told, for any dataset that shuffles this caption
+            tensors["segment_spans"] = spans
         write_atomic(self.path(caption), lambda tmp: save_file(tensors, str(tmp)))
 
     def load(self, caption: str) -> dict[str, torch.Tensor]:
@@ -209,9 +259,29 @@ class CachedCaptions:
         except Exception as err:
             raise RuntimeError(f"cached text embedding {path} is unreadable ({err}); delete the cache folder "
                                "to rebuild it") from err
-        if "segment_spans" not in entry:  # written before entries stored them: the same tokenizer finds them
-            entry["segment_spans"] = segment_spans(self.adapter.text, caption, int(entry["length"]))
         return entry
+
+    def spans(self, key: str, entry: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+        """The entry's segment spans; an entry written without them (before entries stored them, or for a caption
+        whose segments could not be told) gets them from its caption now, kept with the entry in memory."""
+        spans = entry.get("segment_spans")
+        if spans is None:
+            spans = segment_spans(self.adapter.text, key, int(entry["length"]))
+            if spans is None:
+                raise self.segments_unknown(key, index)
+            entry["segment_spans"] = spans
+        return spans
+
+    def segments_unknown(self, key: str, index: int) -> SegmentsUnknown:
+        item = self.dataset.items[index]
+        text = self.adapter.text.encoder_text(key)
+        return SegmentsUnknown(
+            f"{item.record.path}: the caption {key!r} is read by the text encoder as {text!r}, whose "
+            "comma-separated segments cannot be matched to the caption's (cleaning it for the encoder changes it "
+            f"across its commas), so datasets[{item.dataset}].shuffle_tokens / token_dropout_rate cannot move or "
+            "drop its cached segments. Write the caption's commas as plain commas (no html entity or full-width "
+            "comma next to one), or set train.cache_text_embeddings: false (captions are then encoded live)"
+        )
 
     def start_epoch(self, epoch: int) -> None:
         pass
@@ -237,15 +307,18 @@ class CachedCaptions:
         moved (`view_positions`), its mask and length to match; the pooled embedding stays the whole caption's."""
         key = self.own_key(index)
         cfg = self.cfgs[self.dataset.items[index].dataset]
-        plan = plan_caption_view(split_segments(key), seeded_generator(self.seed, "caption", epoch, index),
+        segments = split_segments(key)
+        plan = plan_caption_view(segments, seeded_generator(self.seed, "caption", epoch, index),
                                  **view_settings(cfg), trigger_word=self.trigger_word)
         if plan.blank:
             return self.load(BLANK)
         entry = self.load(key)
+        if plan.order == tuple(range(len(segments))):  # the whole caption: the entry as written, no spans needed
+            return dict(entry)
         embeds, length = entry["embeds"], int(entry["length"])
         rules = self.adapter.text
-        positions, real = view_positions(entry["segment_spans"], plan.order, rules.caption_token_span(length), length,
-                                         embeds.shape[0], keep_length=not rules.variable_length)
+        positions, real = view_positions(self.spans(key, entry, index), plan.order, rules.caption_token_span(length),
+                                         length, embeds.shape[0], keep_length=not rules.variable_length)
         view = {**entry, "embeds": embeds[positions], "length": entry["length"].new_tensor([real])}
         if "attention_mask" in entry:
             view["attention_mask"] = entry["attention_mask"][positions]

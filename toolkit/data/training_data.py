@@ -40,9 +40,15 @@ class TrainingData:
                                                    sizes=adapter.facts.size_conditioning,
                                                    frame_step=adapter.facts.frame_step, family=adapter.facts.title,
                                                    scanned=scanned, seed=train.seed)
-        self.batch_sampler = BucketBatchSampler(self.dataset.bucket_keys(), train.batch_size, train.seed)
+        self.batch_sampler = self.make_batch_sampler()
         self.conditioning: LiveCaptions | CachedCaptions | None = None
         self.dataloader = None
+
+    def make_batch_sampler(self) -> BucketBatchSampler:
+        """The batch order of the dataset as it is now: its bucket keys say which items are cached, so it is made
+        again once the latent cache is attached (`build_caches`). Where every dataset is cached, or none, every key
+        says the same, and the order is the one made before."""
+        return BucketBatchSampler(self.dataset.bucket_keys(), self.train.batch_size, self.train.seed)
 
     def warn_overlong_captions(self) -> None:
         records = list({item.record.path: item.record for item in self.dataset.items}.values())
@@ -64,6 +70,8 @@ class TrainingData:
             with placement.visiting(adapter.image_encoder_modules()):
                 cache.build(adapter, accelerator)
             self.dataset.latents = cache
+            # a batch never mixes cached latents with pixels: the batches are cut again, by the cached keys
+            self.batch_sampler = self.make_batch_sampler()
             if cache.covers_everything and not cache.grows:
                 placement.offload(adapter.image_encoder_modules(), "image encoder unload")
         seed = self.train.seed

@@ -237,6 +237,8 @@ class Checkpoints:
         self.last_saved_step = -1
         #: when training began: now, or the first run's start when resumed
         self.started_at = time.time()
+        #: the config of the checkpoint resumed from (empty on a fresh start)
+        self.resumed_config: dict = {}
 
     # ---- save --------------------------------------------------------------------------------------
 
@@ -307,6 +309,7 @@ class Checkpoints:
                         self.accelerator.process_index)
         self.last_saved_step = state.global_step
         self.started_at = state.started_at or self.started_at
+        self.resumed_config = state.config
         for change in config_changes(state.config, self.config):
             log.info("changed since the checkpoint: %s", change)
         log.info("resuming from %s at step %d (epoch %d, micro-batch %d)", folder, state.global_step, position.epoch,

@@ -100,9 +100,11 @@ class Monitor:
             dropped = self.status.drop_stale_requests()
             if dropped:
                 log.warning("ignoring %d control request(s) left from before this run started", dropped)
-            truncate_after(self.folder.metrics, step if resumed else 0)
+            # a fresh start (or one from a step-0 checkpoint, which evaluates step 0 again) begins them empty
+            kept = step if resumed and step > 0 else -1
+            truncate_after(self.folder.metrics, kept)
             if self.cfg.tensorboard:  # the same for TensorBoard's event files: no update is shown twice
-                truncate_event_files_after(self.folder.root / "tensorboard", step if resumed else 0)
+                truncate_event_files_after(self.folder.root / "tensorboard", kept)
         self.metrics = MetricsWriter(self.folder.metrics, enabled=self.is_main)
         if self.cfg.tensorboard and self.is_main:
             self.accelerator.init_trackers(self.name)

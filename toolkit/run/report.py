@@ -358,7 +358,8 @@ def build_report(run_dir: Path) -> str:
     series = numeric_series(records)
     name = html.escape(run_dir.name)
     last = records[-1] if records else {}
-    summary = f"{len(records)} logged updates" + (f", last step {last['step']}" if last else "")
+    updates = [r for r in records if "loss" in r]  # a validation line of its own (step 0) is not an update
+    summary = f"{len(updates)} logged updates" + (f", last step {last['step']}" if last else "")
     body = [
         f"<h1>{name}</h1><p>{summary}</p>",
         "<h2>Metrics</h2>", toggles(series_names(series)),

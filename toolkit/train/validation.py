@@ -114,8 +114,8 @@ class HeldOutBatch:
 
 class Validation:
     """Built with the held-out items, the `validation` section, the objective's loss settings, the seed and the
-    adapter; `prepare` encodes this process's batches once; `evaluate` gives the figures of the current weights
-    (call it with the trained modules in eval mode: `in_eval_mode`)."""
+    adapter; `encode_latents` and `encode_prompts` prepare this process's batches once; `evaluate` gives the figures
+    of the current weights (call it with the trained modules in eval mode: `in_eval_mode`)."""
 
     def __init__(self, cfg: ValidationConfig, items: list[TrainItem], objective: ObjectiveSection, seed: int,
                  adapter: ModelAdapter, sizes: bool, mask_min_values: list[float] | None = None):
@@ -139,43 +139,54 @@ class Validation:
         return [rows[i:i + size] for key in sorted(groups) for rows in [groups[key]] for i in range(0, len(rows), size)]
 
     @torch.no_grad()
-    def prepare(self, rank: int, processes: int) -> None:
-        """Encode this process's batches (the image encoder, and the text encoder unless it trains, must be on the
-        device): latents drawn once from a generator keyed by (seed, batch), prompts encoded once."""
+    def encode_latents(self, rank: int, processes: int) -> None:
+        """This process's batches (the image encoder on the device): latents drawn once from a generator keyed by
+        (seed, batch), size facts, loss masks."""
         adapter = self.adapter
-        live_text = adapter.text_encoders_train
         self.batches = []
         for number, rows in enumerate(self.batch_rows()):
             if number % processes != rank:
                 continue
             items = [self.items[i] for i in rows]
             pixels = torch.stack([load_pixels(item) for item in items])
-            latents = adapter.encode_images(pixels, seeded_generator(self.seed, "val_latent", number))
+            latents = adapter.encode_images(pixels, seeded_generator(self.seed, "val_latent", number)).to(adapter.device)
             captions = [item.record.caption for item in items]
-            embeds = None if live_text else adapter.encode_prompts(captions)
             sizes = torch.stack([image_sizes(item) for item in items]) if self.sizes else None
             mask = None
             if any(item.record.mask is not None for item in items):
                 masks = torch.stack([load_mask(item, None, self.mask_min_values[item.dataset]) for item in items])
                 mask = mask_weights(masks, latents)
-            self.batches.append(HeldOutBatch(number, rows, latents, captions, embeds, sizes, mask))
+            self.batches.append(HeldOutBatch(number, rows, latents, captions, None, sizes, mask))
         log.info("validation: %d held-out samples in %d batches, %d noise levels; this process evaluates %d batches",
                  len(self.items), len(self.batch_rows()), len(self.levels), len(self.batches))
 
     @torch.no_grad()
+    def encode_prompts(self) -> None:
+        """The batches' prompts encoded once (the text encoder on the device), unless the text encoders train (then
+        each evaluation encodes them with the weights of the moment)."""
+        if self.adapter.text_encoders_train:
+            return
+        for batch in self.batches:
+            batch.embeds = self.adapter.encode_prompts(batch.captions).to(self.adapter.device)
+
+    @torch.no_grad()
     def losses(self, module: torch.nn.Module) -> torch.Tensor:
-        """[items, levels]: this process's losses, zeros in the rows of other processes' batches."""
+        """[items, levels]: this process's losses, zeros in the rows of other processes' batches. Level by level,
+        then batch by batch: a family of several experts runs one expert for all batches of a level."""
         adapter, schedule = self.adapter, self.adapter.noise_schedule
         table = torch.zeros(len(self.items), len(self.levels), dtype=torch.float32)
-        for batch in self.batches:
-            embeds = batch.embeds if batch.embeds is not None else adapter.encode_prompts(batch.captions)
-            latents = batch.latents
-            for k, u in enumerate(self.levels):
+        embeds = {batch.number: batch.embeds for batch in self.batches}
+        if any(e is None for e in embeds.values()):
+            embeds = {batch.number: adapter.encode_prompts(batch.captions) for batch in self.batches}
+        for k, u in enumerate(self.levels):
+            for batch in self.batches:
+                latents = batch.latents
                 noise = torch.randn(latents.shape, generator=seeded_generator(self.seed, "val_noise", batch.number, k))
                 noise = to_device(noise, latents.device)
                 timesteps = to_device(schedule.timesteps(torch.full((len(batch.rows),), u)), latents.device)
                 noisy = schedule.add_noise(latents, noise, timesteps)
-                prediction = adapter.predict(noisy, timesteps, embeds, module=module, image_sizes=batch.sizes)
+                prediction = adapter.predict(noisy, timesteps, embeds[batch.number], module=module,
+                                             image_sizes=batch.sizes)
                 target = schedule.target(latents, noise, timesteps)
                 loss = per_sample_loss(prediction, target, self.objective.loss_type, self.objective.huber_c,
                                        batch.mask)

@@ -74,20 +74,25 @@ def is_schedule_free(optimizer: torch.optim.Optimizer) -> bool:
     return "train_mode" in unwrapped(optimizer).param_groups[0]
 
 
-def logged_lr(optimizer: torch.optim.Optimizer, scheduled_lr: float) -> float:
-    """The LR an update used: the optimizer's own average when it picks LRs itself (relative-step
-    Adafactor), Prodigy's step size d x lr, else the scheduler's."""
+def logged_lr(optimizer: torch.optim.Optimizer, scheduled_lr: float, figures: dict[str, float] | None = None) -> float:
+    """The LR an update used, read after its step: the optimizer's own average when it picks LRs itself
+    (relative-step Adafactor), Prodigy's step size d x lr (d as it was for the step: `figures`, taken before it),
+    schedule-free's LR with its own warmup, else the scheduler's."""
     inner = unwrapped(optimizer)
+    group = inner.param_groups[0]
     average = getattr(inner, "get_avg_learning_rate", None)
-    if average is not None and inner.param_groups[0].get("relative_step"):
+    if average is not None and group.get("relative_step"):
         return average()
-    if is_prodigy(inner):
-        return float(inner.param_groups[0]["d"]) * scheduled_lr
+    if figures and "prodigy_d" in figures:
+        return figures["prodigy_d"] * scheduled_lr
+    if is_schedule_free(inner) and "scheduled_lr" in group:
+        return float(group["scheduled_lr"])
     return scheduled_lr
 
 
 def optimizer_figures(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """An optimizer's own figures for a metrics line: Prodigy's distance estimate d (`prodigy_d`)."""
+    """An optimizer's own figures for a metrics line, taken before the step they describe: Prodigy's distance
+    estimate d (`prodigy_d`; a step updates it for the next one). Host values: reading them waits for nothing."""
     if is_prodigy(optimizer):
         return {"prodigy_d": float(unwrapped(optimizer).param_groups[0]["d"])}
     return {}
