@@ -41,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arch", help="--convert-lora: the model family, when the file's header does not say")
     parser.add_argument("--model", help="--convert-lora from kohya keys: the model whose module names resolve them "
                         "(default: the base model in the file's header)")
+    parser.add_argument("--import-config", metavar="FILE", help="write a difftune job that means the same training "
+                        "as an ai-toolkit job file, and print what each of its keys became")
+    parser.add_argument("-o", "--output", metavar="OUT", help="--import-config: the job file to write (default: "
+                        "FILE's name with .difftune.yaml)")
     parser.add_argument("--ui", nargs="?", const="output", metavar="TRAINING_FOLDER",
                         help="serve the web dashboard for the runs under TRAINING_FOLDER (default: output)")
     parser.add_argument("--host", default="127.0.0.1", help="--ui: the address to listen on (any address but a "
@@ -55,21 +59,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.convert_lora is not None and args.to is None:
         parser.error("--convert-lora needs --to comfy, --to diffusers or --to peft")
-    tools = [name for name in ("control", "status", "report", "convert_lora", "ui") if getattr(args, name) is not None]
+    tools = [name for name in ("control", "status", "report", "convert_lora", "ui", "import_config")
+             if getattr(args, name) is not None]
     if len(tools) > 1 or (tools and args.configs):
-        parser.error("give job files, or one of --control / --status / --report / --convert-lora / --ui")
+        parser.error("give job files, or one of --control / --status / --report / --convert-lora / --ui / "
+                     "--import-config")
     if not tools and not args.configs:
-        parser.error("give one or more job files (or --control / --status / --report / --convert-lora / --ui)")
+        parser.error("give one or more job files (or --control / --status / --report / --convert-lora / --ui / "
+                     "--import-config)")
+    if args.output is not None and args.import_config is None:
+        parser.error("-o/--output goes with --import-config")
     return args
 
 
 def run_tool(args: argparse.Namespace) -> int:
-    """--control / --status / --report / --convert-lora / --ui: the tools beside training."""
+    """--control / --status / --report / --convert-lora / --ui / --import-config: the tools beside training."""
     from toolkit.run import control
     from toolkit.run.report import write_report
 
     if args.convert_lora is not None:
         return convert_lora(args)
+    if args.import_config is not None:
+        return import_config(args)
     if args.ui is not None:
         return serve_ui(args)
     if args.control is not None:
@@ -90,6 +101,33 @@ def run_tool(args: argparse.Namespace) -> int:
         log.error("%s is not a run folder (no metrics.jsonl or config.yaml)", folder)
         return 2
     print(write_report(folder))
+    return 0
+
+
+def import_config(args: argparse.Namespace) -> int:
+    """--import-config: another trainer's job file as a difftune job that means the same training, the table of what
+    each key became, and the keys to check; the written job is checked against the schema before it is kept."""
+    from jobs.registry import build_registry
+    from toolkit.config.importers.importer import convert, default_output, write_job
+    from toolkit.config.loader import load_config
+    from toolkit.errors import UserError
+
+    source = Path(args.import_config)
+    out = Path(args.output) if args.output else default_output(source)
+    try:
+        if not source.is_file():
+            raise UserError(f"--import-config: {source} not found")
+        conversion = convert(source)
+        print(conversion.table())
+        write_job(conversion, out)
+        try:
+            load_config(str(out), build_registry(ROOT / "extensions"))
+        except UserError as err:
+            raise UserError(f"the imported job {out} does not pass difftune's checks (kept for editing):\n{err}")
+    except UserError as err:
+        report_user_error(err, args)
+        return 1
+    print(f"\nwrote {out}; check the list above, then: python run.py {out}")
     return 0
 
 
@@ -255,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: library bars (diffusers, accelerate) go quiet too
-    if args.control or args.status or args.report or args.convert_lora or args.ui:
+    if args.control or args.status or args.report or args.convert_lora or args.ui or args.import_config:
         return run_tool(args)
     return run_jobs(args)
 

@@ -72,25 +72,6 @@ def test_unknown_key_names_file_path_and_suggestion(tmp_path, registry, mutate, 
     assert f"{path_text}: unknown key ({hint})" in message
 
 
-@pytest.mark.parametrize("section, key, misleading", [
-    ("train", "diff_output_preservation", "blank_prompt_preservation"),  # ai-toolkit: another preservation
-    ("train", "train_text_encoder", "cache_text_embeddings"),  # ai-toolkit's train.train_text_encoder
-    ("train", "noise_scheduler", "lr_scheduler"),  # the noise schedule, not the LR's
-    ("sample", "samples", "sample_steps"),  # ai-toolkit's list of sample prompts
-])
-def test_no_hint_toward_a_key_of_another_meaning(tmp_path, registry, section, key, misleading):
-    """Other tools' keys that only look like one of ours are unknown, without a "did you mean" that would run
-    another training."""
-    process = trainer_process(tmp_path)
-    process.setdefault(section, {})[key] = 1
-    path = tmp_path / "foreign.yaml"
-    path.write_text(yaml.safe_dump(job_dict(process)))
-    with pytest.raises(ConfigError) as err:
-        load_config(str(path), registry)
-    line = next(line for line in str(err.value).splitlines() if f".{section}.{key}:" in line)
-    assert line.endswith(": unknown key") and misleading not in line, line
-
-
 def test_typos_are_within_a_few_edits_and_unambiguous():
     from toolkit.config.loader import edit_distance, suggest_key
     from toolkit.config.sections import TrainConfig

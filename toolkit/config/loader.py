@@ -1,4 +1,5 @@
-"""Read a job file (YAML or JSON), expand `${ENV}` and `[name]`, validate it against the schema."""
+"""Read a job file (YAML or JSON), tell another trainer's file apart, expand `${ENV}` and `[name]`, validate it
+against the schema."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from typing import Any, Callable
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from toolkit.config.importers.detect import detect
 from toolkit.config.schema import JobConfig
 from toolkit.errors import UserError
 
-CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
 ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
 
 
@@ -56,13 +63,20 @@ def resolve_config_path(arg: str, config_root: Path) -> Path:
 
 
 def read_raw(path: Path) -> dict[str, Any]:
+    """A job file's mapping: YAML (safe, no `!!python` tags), JSON, or TOML (the form other trainers save theirs in,
+    read so that such a file is recognised, `toolkit.config.importers.detect`)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read it as a UTF-8 text file: {err}") from err
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_YamlLoader)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = yaml.load(text, Loader=_YamlLoader)
+    except (json.JSONDecodeError, yaml.YAMLError, tomllib.TOMLDecodeError) as err:
         raise ConfigError(f"{path}: cannot parse: {err}") from err
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a job file is a mapping with `job`, `config` and `meta` keys")
@@ -193,6 +207,34 @@ def _unwrap_model(annotation: Any) -> Any:
     return annotation
 
 
+#: other trainers' names for a difftune setting kept in another section: (the section they put it in, their
+#: name) -> the difftune key. Only settings that mean the same (tests/test_importers.py checks each one against the
+#: importers' rules); a name of another meaning gets no hint.
+ELSEWHERE: dict[tuple[str, str], str] = {
+    ("model", "compile"): "train.compile",
+    ("model", "gradient_checkpointing"): "train.gradient_checkpointing",
+    ("train", "network_dim"): "network.linear",
+    ("train", "network_alpha"): "network.linear_alpha",
+    ("train", "train_text_encoder"): "network.train_text_encoder",
+    ("train", "trigger_word"): "trigger_word",
+    ("train", "save_every"): "save.save_every",
+    ("train", "save_every_n_steps"): "save.save_every",
+    ("train", "sample_every"): "sample.sample_every",
+    ("train", "sample_every_n_steps"): "sample.sample_every",
+    ("train", "cache_latents"): "datasets[].cache_latents",
+    ("train", "cache_latents_to_disk"): "datasets[].cache_latents_to_disk",
+    ("train", "caption_extension"): "datasets[].caption_ext",
+    ("train", "shuffle_caption"): "datasets[].shuffle_tokens",
+    ("train", "keep_tokens"): "datasets[].keep_tokens",
+    ("train", "caption_dropout_rate"): "datasets[].caption_dropout_rate",
+    ("train", "resolution"): "datasets[].resolution",
+    ("train", "mixed_precision"): "train.dtype",
+    ("train", "output_dir"): "training_folder",
+    ("train", "vae"): "model.vae_name_or_path",
+    ("train", "v_parameterization"): "model.prediction_type: v_prediction",
+}
+
+
 def suggest_key(section: type[BaseModel] | None, key: str) -> str | None:
     """The known key of `section` that `key` is a typo of (or a typo of another trainer's name for it, from the
     fields' `aka`): the nearest name within `typo_allowance` edits, and only when every name that near means the
@@ -241,7 +283,7 @@ def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, pre
         loc = _user_loc(model, tuple(item["loc"]))
         where = format_loc(loc, prefix) or prefix or "(top level)"
         if item["type"] == "extra_forbidden":
-            msg = _unknown_key(_section_at(model, tuple(item["loc"])[:-1]), str(loc[-1]))
+            msg = _unknown_key(_section_at(model, tuple(item["loc"])[:-1]), str(loc[-1]), _section_name(loc))
         elif item["type"] == "missing":
             msg = "required key is missing"
         elif item["type"] in ("union_tag_invalid", "union_tag_not_found"):
@@ -257,9 +299,18 @@ def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, pre
     return lines
 
 
-def _unknown_key(section: type[BaseModel] | None, key: str) -> str:
-    """The message for a key `section` does not have: a close name of the same section, or, in a family's `model`
-    section, which families do have it."""
+def _section_name(loc: tuple) -> str:
+    """The name of the section an unknown key stands in (`train`, `model`, ...; '' at the process level)."""
+    names = [part for part in loc[:-1] if isinstance(part, str)]
+    return names[-1] if names and names[-1] not in ("config", "process") else ""
+
+
+def _unknown_key(section: type[BaseModel] | None, key: str, section_name: str = "") -> str:
+    """The message for a key `section` does not have: a close name of the same section (or the same setting in another
+    section, `ELSEWHERE`), or, in a family's `model` section, which families do have it."""
+    elsewhere = ELSEWHERE.get((section_name, key))
+    if elsewhere is not None:
+        return f"unknown key here (did you mean '{elsewhere}'? it is set there in difftune)"
     hint = suggest_key(section, key)
     others = getattr(section, "facts", None) is not None and _families_with_key(key)
     if others:
@@ -324,6 +375,9 @@ def load_config(
     """Load, expand and validate one job file. Returns the config and the file it came from."""
     path = resolve_config_path(arg, config_root)
     data = read_raw(path)
+    foreign = detect(data)
+    if foreign is not None:  # one message for the whole file: its keys would each be "unknown"
+        raise ConfigError(foreign.message(str(path)))
     data = expand_env(data, path, os.environ if environ is None else environ)
     data = substitute_name(data, path, name)
     return validate_job(data, path, process_models), path

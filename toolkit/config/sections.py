@@ -32,7 +32,7 @@ class NetworkConfig(Section):
                            "saved as peft's `lora_magnitude_vector` (diffusers form) and as kohya/LyCORIS's output-axis "
                            "`dora_scale` (ComfyUI form; docs/networks.md says which tools apply it exactly).")
     dropout: float = Field(0.0, ge=0, lt=1, description="lora: dropout on the LoRA input (peft's lora_dropout).",
-                           json_schema_extra=aka("lora_dropout", "network_dropout"))
+                           json_schema_extra=aka("lora_dropout"))
     target_modules: list[str] | None = Field(
         None, description="Module names (or name endings) to adapt; default: the family's attention projections."
     )
@@ -90,7 +90,7 @@ class SaveConfig(Section):
         "needs. Checkpoints always keep the full config.")
     max_step_saves_to_keep: int = Field(4, ge=1, description="Complete step checkpoints kept; older ones are "
                                         "pruned after a newer one is complete.",
-                                        json_schema_extra=aka("save_last_n_steps", "checkpoints_total_limit"))
+                                        json_schema_extra=aka("checkpoints_total_limit"))
 
 
 class DatasetConfig(Section):

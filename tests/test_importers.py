@@ -1,0 +1,241 @@
+"""Other trainers' job files: recognised when run directly (one message, before any model loads), imported by
+`run.py --import-config` into difftune jobs that mean the same training (the fixtures are in the shapes ai-toolkit's
+examples and web UI write), and never mistaken for a difftune job."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import QUICKSTART_DATA
+
+import run
+from toolkit.config.importers.aitoolkit import import_aitoolkit
+from toolkit.config.importers.conversion import ImportRefused
+from toolkit.config.importers.detect import AITOOLKIT_KEYS, detect
+from toolkit.config.loader import ConfigError, load_config, read_raw
+from toolkit.config.schema import SDTrainerConfig
+from toolkit.run.metrics import read_metrics
+
+FIXTURES = Path(__file__).parent / "fixtures" / "foreign"
+AITOOLKIT = ["aitoolkit_ui_sd15.json", "aitoolkit_ui_zimage.json", "aitoolkit_flux_example.yaml"]
+
+
+def source_process(name: str) -> dict:
+    return read_raw(FIXTURES / name)["config"]["process"][0]
+
+
+@pytest.mark.parametrize("name", AITOOLKIT)
+def test_an_aitoolkit_job_run_directly_gets_one_message_before_any_model_loads(name, registry, capsys, caplog):
+    caplog.set_level(logging.ERROR, logger="difftune")
+    with pytest.raises(ConfigError) as error:
+        load_config(str(FIXTURES / name), registry)
+    message = str(error.value)
+    assert "ai-toolkit job" in message and "--import-config" in message and "\n" not in message
+    assert run.main([str(FIXTURES / name)]) == 1
+    assert sum("--import-config" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("name", AITOOLKIT)
+def test_each_aitoolkit_fixture_imports_and_the_job_it_writes_loads(name, tmp_path, registry, capsys):
+    out = tmp_path / "imported.yaml"
+    assert run.main(["--import-config", str(FIXTURES / name), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    config, _ = load_config(str(out), registry)
+    assert isinstance(config.config.process[0], SDTrainerConfig)
+    # every key of the source has a line in the table
+    conversion = import_aitoolkit(read_raw(FIXTURES / name))
+    sources = {row.source for row in conversion.rows}
+    for path in conversion_source_paths(name):
+        assert path in sources, path
+    assert "Check these" in printed
+
+
+def conversion_source_paths(name: str) -> list[str]:
+    from toolkit.config.importers.aitoolkit import LEAVES
+    from toolkit.config.importers.conversion import flatten
+
+    return list(flatten(source_process(name), leaves=LEAVES))
+
+
+def test_mapped_keys_keep_their_meaning(tmp_path):
+    """LR, steps, batch size, rank/alpha, schedule, warmup, resolution, caption extension, repeats and trigger word
+    of the imported job are the source's, as ai-toolkit applies them."""
+    source = source_process("aitoolkit_ui_sd15.json")
+    job = import_aitoolkit(read_raw(FIXTURES / "aitoolkit_ui_sd15.json")).job["config"]["process"][0]
+    process = SDTrainerConfig.model_validate(job)
+    train, network, data = process.train, process.network, process.datasets[0]
+    assert (train.lr, train.steps, train.batch_size) == (source["train"]["lr"], source["train"]["steps"], 1)
+    assert (network.linear, network.linear_alpha) == (32, 32.0)
+    assert train.lr_scheduler == "constant" and train.lr_warmup_steps == 0
+    assert data.resolution == [512] and data.caption_ext == "txt" and data.num_repeats == 1
+    assert process.trigger_word == "shp" and process.model.arch == "sd15"
+    assert train.timestep_type == "uniform"  # ai-toolkit's `sigmoid` does nothing on SD 1.5
+    # a transformer family: alpha = rank whatever the file says; its shift where timestep_type is inert
+    flux = SDTrainerConfig.model_validate(
+        import_aitoolkit(read_raw(FIXTURES / "aitoolkit_flux_example.yaml")).job["config"]["process"][0])
+    assert (flux.network.linear, flux.network.linear_alpha) == (16, 16.0) and flux.train.ema.decay == 0.99
+    assert flux.sample.use_ema and flux.model.quantize and flux.model.quantize_te
+    # what a silent file means in ai-toolkit is written out
+    silent = {"config": {"name": "s", "process": [{"type": "sd_trainer", "network": {"type": "lora"},
+                                                   "datasets": [{"folder_path": "d"}],
+                                                   "model": {"name_or_path": "m", "arch": "sdxl"}}]}}
+    written = import_aitoolkit(silent).job["config"]["process"][0]
+    assert written["train"]["lr"] == 1e-6 and written["train"]["steps"] == 1000
+    assert written["network"]["linear"] == 4 and written["network"]["linear_alpha"] == 1.0
+    assert written["model"]["dtype"] == "fp32" and written["sample"]["sample_at_start"] is True
+    assert written["sample"]["guidance_scale"] == 7.0 and written["sample"]["seed"] == 0
+
+
+def test_legacy_accumulation_counts_steps_in_micro_batches():
+    data = {"config": {"name": "s", "process": [{"type": "sd_trainer", "network": {"linear": 8},
+                                                 "datasets": [{"folder_path": "d"}], "model": {"name_or_path": "m"},
+                                                 "train": {"steps": 1000, "gradient_accumulation_steps": 4},
+                                                 "save": {"save_every": 250}}]}}
+    conversion = import_aitoolkit(data)
+    job = conversion.job["config"]["process"][0]
+    assert job["train"]["gradient_accumulation"] == 4 and job["train"]["steps"] == 250
+    assert job["save"]["save_every"] == 63 and any("micro-batches" in c for c in conversion.checks)
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"arch": "chroma"}, "model.arch 'chroma' (Chroma) has no difftune family"),
+    ({"is_v3": True}, "model.arch 'sd3'"),
+    ({"arch": "sd15", "name_or_path": "m"}, None),
+])
+def test_a_family_difftune_lacks_is_refused_by_name(model, message):
+    data = {"config": {"name": "s", "process": [{"type": "sd_trainer", "network": {}, "model": model,
+                                                 "datasets": [{"folder_path": "d"}]}]}}
+    if message is None:
+        assert import_aitoolkit(data).job["config"]["process"][0]["model"]["arch"] == "sd15"
+        return
+    with pytest.raises(ImportRefused, match=message.replace("(", r"\(").replace(")", r"\)")):
+        import_aitoolkit(data)
+
+
+def test_keys_that_mean_something_else_are_not_carried_over():
+    """ai-toolkit's `noise_scheduler` is its training noise schedule, not the LR schedule; its
+    `diff_output_preservation` is not difftune's blank-prompt preservation; its `linear` LR schedule ramps up."""
+    data = {"config": {"name": "s", "process": [{
+        "type": "sd_trainer", "network": {}, "model": {"name_or_path": "m", "arch": "flux"},
+        "datasets": [{"folder_path": "d"}],
+        "train": {"noise_scheduler": "flowmatch", "diff_output_preservation": True, "lr_scheduler": "cosine"}}]}}
+    conversion = import_aitoolkit(data)
+    train = conversion.job["config"]["process"][0]["train"]
+    assert "blank_prompt_preservation" not in train and train["lr_scheduler"] == "cosine"
+    assert any("diff_output_preservation" in c for c in conversion.checks)
+    data["config"]["process"][0]["train"]["lr_scheduler"] = "linear"
+    with pytest.raises(ImportRefused, match="ramps the LR up"):
+        import_aitoolkit(data)
+
+
+def test_an_ai_toolkit_key_is_never_a_difftune_key():
+    """The keys that mark a file as ai-toolkit's are none of difftune's (so a difftune job is never taken for one)."""
+    from toolkit.config.sections import NetworkConfig, SampleConfig, SaveConfig, TrainConfig
+    from toolkit.models.registry import available_archs, config_class
+
+    ours = {"": set(SDTrainerConfig.model_fields), "network": set(NetworkConfig.model_fields),
+            "train": set(TrainConfig.model_fields), "sample": set(SampleConfig.model_fields),
+            "save": set(SaveConfig.model_fields),
+            "model": {k for arch in available_archs() for k in config_class(arch).model_fields}}
+    for section, keys in AITOOLKIT_KEYS.items():
+        assert not keys & ours[section], (section, keys & ours[section])
+    example = yaml.safe_load((Path(__file__).parents[1] / "config" / "examples" / "quickstart.yaml").read_text())
+    assert detect(example) is None
+
+
+@pytest.mark.slow
+def test_the_imported_ui_sd15_job_trains_on_the_tiny_model(tmp_path, registry):
+    """The UI's SD 1.5 job, imported, with only the model and dataset paths pointed at local folders, trains 3
+    updates."""
+    out = tmp_path / "imported.yaml"
+    assert run.main(["--import-config", str(FIXTURES / "aitoolkit_ui_sd15.json"), "-o", str(out)]) == 0
+    job = yaml.safe_load(out.read_text())
+    process = job["config"]["process"][0]
+    process["model"]["name_or_path"] = "tiny"
+    process["datasets"][0]["folder_path"] = str(QUICKSTART_DATA)
+    process["datasets"][0]["resolution"] = [64]
+    process["training_folder"] = str(tmp_path / "output")
+    process["device"] = "cpu"
+    process["train"].update(steps=3, dtype="fp32", optimizer="adamw")  # bitsandbytes' 8-bit AdamW needs a GPU
+    process["model"]["dtype"] = "fp32"
+    process["sample"].update(width=64, height=64, sample_steps=2, sample_at_start=False)
+    out.write_text(json.dumps(job))
+    assert run.main([str(out)]) == 0
+    records = [r for r in read_metrics(tmp_path / "output" / job["config"]["name"] / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def test_a_kohya_configuration_run_directly_is_recognised(tmp_path, registry):
+    arguments = tmp_path / "lora.toml"
+    arguments.write_text('pretrained_model_name_or_path = "runwayml/stable-diffusion-v1-5"\n'
+                         'network_module = "networks.lora"\nnetwork_dim = 16\n')
+    with pytest.raises(ConfigError, match="kohya sd-scripts configuration file .* not a difftune job"):
+        load_config(str(arguments), registry)
+    dataset = tmp_path / "dataset.toml"
+    dataset.write_text('[general]\nshuffle_caption = true\n[[datasets]]\nresolution = 512\n'
+                       '[[datasets.subsets]]\nimage_dir = "img"\n')
+    with pytest.raises(ConfigError, match="kohya sd-scripts dataset config"):
+        load_config(str(dataset), registry)
+
+
+#: other trainers' names that look like a difftune key but mean something else: none may get a "did you mean"
+TRAPS = {
+    ("train", "noise_scheduler"): "ai-toolkit's training noise schedule, not the LR schedule",
+    ("train", "diff_output_preservation"): "class-word preservation, not blank-prompt preservation",
+    ("network", "network_dropout"): "kohya's dropout of the LoRA's hidden units, not of its inputs",
+    ("save", "save_last_n_steps"): "kohya keeps the saves of the last N steps, not N saves",
+    ("datasets", "alpha_mask"): "kohya's switch to use the image's alpha channel, not a mask folder",
+    ("sample", "samples"): "ai-toolkit's per-prompt list, not the step count",
+    ("train", "train_unet"): "whether the UNet trains at all",
+    ("train", "timestep_bias_strategy"): "diffusers' timestep bias, not a timestep sampler",
+}
+
+
+def hints_for(section: str, key: str, registry) -> list[str]:
+    """The "did you mean" targets a difftune job gets for `key` put in `section`."""
+    import re
+
+    from toolkit.config.loader import validate_job
+
+    process = {"type": "sd_trainer", "model": {"arch": "sd15", "name_or_path": "tiny"},
+               "datasets": [{"folder_path": "d"}], "train": {"steps": 1}}
+    block = process if not section else (process["datasets"][0] if section == "datasets" else
+                                         process.setdefault(section, {}))
+    block[key] = 1
+    try:
+        validate_job({"config": {"name": "x", "process": [process]}}, Path("x.yaml"), registry)
+    except ConfigError as err:
+        lines = [line for line in str(err).splitlines() if line.strip().split(":")[0].endswith(f".{key}")]
+        return [m for line in lines for m in re.findall(r"did you mean '([^']+)'", line)]
+    return []
+
+
+@pytest.mark.parametrize("section, key", sorted(TRAPS))
+def test_no_hint_crosses_to_a_key_of_another_meaning(section, key, registry):
+    assert hints_for(section, key, registry) == [], TRAPS[(section, key)]
+
+
+def test_every_hint_for_a_fixture_key_is_what_the_importer_makes_of_it(registry):
+    """Every key of the shipped foreign fixtures, put into a difftune job where the source had it: a hint, if any,
+    names the key the importer maps it to (the same setting), never another."""
+    from toolkit.config.importers.aitoolkit import LEAVES
+    from toolkit.config.importers.conversion import flatten
+    from toolkit.config.loader import ELSEWHERE
+
+    for name in AITOOLKIT:
+        conversion = import_aitoolkit(read_raw(FIXTURES / name))
+        targets = {row.source: row.outcome.split(" = ")[0][3:] for row in conversion.rows if row.outcome.startswith("->")}
+        for path in flatten(source_process(name), leaves=LEAVES):
+            parts = path.replace("datasets[0]", "datasets").split(".")
+            section, key = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
+            if section not in ("", "model", "network", "datasets", "train", "save", "sample", "logging"):
+                continue
+            for hint in hints_for(section, key, registry):
+                mapped = targets.get(path, "").replace("datasets[0]", "datasets[]")
+                assert hint in (mapped, mapped.split(".", 1)[-1]), (name, path, hint, mapped)
+    for (section, key), target in ELSEWHERE.items():
+        assert hints_for(section, key, registry) == [target]

@@ -1,0 +1,126 @@
+"""What an import produces, whatever the source trainer: the difftune job, one row per source key (what it became,
+or why it was dropped), the defaults the source trainer applies that had to be written out, and the "check these"
+list of keys whose meaning differs. Torch-free."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkit.errors import UserError
+
+#: a missing value, told apart from None (which a job file can hold)
+MISSING = object()
+
+
+class ImportRefused(UserError, ValueError):
+    """A file the importer cannot turn into a difftune job that means the same training (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the import table: a source key (or `(default)` for a value the source trainer assumes) and what
+    it became: `-> difftune.key = value`, or `dropped: reason`."""
+
+    source: str
+    outcome: str
+
+
+def flatten(value: Any, prefix: str = "", leaves: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Dotted leaf paths of a nested mapping (`datasets[0].folder_path`); a key whose path ends with one of `leaves`
+    (a mapping or list kept whole, e.g. `optimizer_params`) is one leaf."""
+    if isinstance(value, dict) and not any(prefix == leaf or prefix.endswith("." + leaf) for leaf in leaves):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key), leaves))
+        return out or {prefix: value}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value) and \
+            not any(prefix.endswith(leaf) for leaf in leaves):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(flatten(item, f"{prefix}[{index}]", leaves))
+        return out
+    return {prefix: value}
+
+
+class Source:
+    """A source process as dotted leaf paths; every path an importer reads is marked, so that what no rule read is
+    reported too (never silently lost)."""
+
+    def __init__(self, data: dict[str, Any], leaves: tuple[str, ...] = ()):
+        self.values = flatten(data, leaves=leaves)
+        self.read: set[str] = set()
+
+    def has(self, path: str) -> bool:
+        return path in self.values
+
+    def take(self, path: str, default: Any = MISSING) -> Any:
+        """The value at `path` (marked as read), or `default`."""
+        if path in self.values:
+            self.read.add(path)
+            return self.values[path]
+        return default
+
+    def under(self, prefix: str) -> list[str]:
+        """The paths under `prefix` (e.g. every key of `datasets[0]`)."""
+        return [p for p in self.values if p == prefix or p.startswith((prefix + ".", prefix + "["))]
+
+    def unread(self) -> list[str]:
+        return [p for p in self.values if p not in self.read]
+
+
+@dataclass
+class Conversion:
+    """The job being written and the report of how."""
+
+    trainer: str
+    job: dict[str, Any] = field(default_factory=dict)
+    rows: list[Row] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+
+    @property
+    def process(self) -> dict[str, Any]:
+        return self.job["config"]["process"][0]
+
+    def put(self, target: str, value: Any) -> None:
+        """Set `target` (dotted, relative to the process; `datasets[1].x` addresses a dataset the importer made) in
+        the job."""
+        node: Any = self.process
+        parts = re.findall(r"\[\d+\]|[^.\[\]]+", target)
+        for part in parts[:-1]:
+            node = node[int(part[1:-1])] if part.startswith("[") else node.setdefault(part, {})
+        last = parts[-1]
+        node[int(last[1:-1]) if last.startswith("[") else last] = value
+
+    def mapped(self, source: str, target: str, value: Any, note: str = "") -> None:
+        self.put(target, value)
+        self.rows.append(Row(source, f"-> {target} = {show(value)}" + (f"  ({note})" if note else "")))
+
+    def assumed(self, target: str, value: Any, why: str) -> None:
+        """A value the source trainer assumes where its file says nothing, written out because difftune's default
+        differs."""
+        self.put(target, value)
+        self.rows.append(Row("(default)", f"-> {target} = {show(value)}  ({why})"))
+
+    def dropped(self, source: str, reason: str) -> None:
+        self.rows.append(Row(source, f"dropped: {reason}"))
+
+    def check(self, text: str) -> None:
+        if text not in self.checks:
+            self.checks.append(text)
+
+    def table(self) -> str:
+        """The report printed after an import: the rows, then the "check these" list."""
+        width = min(44, max((len(r.source) for r in self.rows), default=10))
+        lines = [f"{self.trainer} key".ljust(width) + "  difftune", "-" * (width + 10)]
+        lines += [f"{r.source.ljust(width)}  {r.outcome}" for r in self.rows]
+        if self.checks:
+            lines += ["", "Check these (the meaning differs, or nothing in difftune matches exactly):"]
+            lines += [f"  - {text}" for text in self.checks]
+        return "\n".join(lines)
+
+
+def show(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
