@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "as an ai-toolkit job file, and print what each of its keys became")
     parser.add_argument("-o", "--output", metavar="OUT", help="--import-config: the job file to write (default: "
                         "FILE's name with .difftune.yaml)")
+    parser.add_argument("--force", action="store_true", help="--import-config: replace OUT if it exists")
     parser.add_argument("--ui", nargs="?", const="output", metavar="TRAINING_FOLDER",
                         help="serve the web dashboard for the runs under TRAINING_FOLDER (default: output)")
     parser.add_argument("--host", default="127.0.0.1", help="--ui: the address to listen on (any address but a "
@@ -108,8 +109,8 @@ def import_config(args: argparse.Namespace) -> int:
     """--import-config: another trainer's job file as a difftune job that means the same training, the table of what
     each key became, and the keys to check; the written job is checked against the schema before it is kept."""
     from jobs.registry import build_registry
-    from toolkit.config.importers.importer import convert, default_output, write_job
-    from toolkit.config.loader import load_config
+    from toolkit.config.importers.importer import convert, default_output, output_problem, write_job
+    from toolkit.config.loader import validate_job
     from toolkit.errors import UserError
 
     source = Path(args.import_config)
@@ -117,13 +118,14 @@ def import_config(args: argparse.Namespace) -> int:
     try:
         if not source.is_file():
             raise UserError(f"--import-config: {source} not found")
+        problem = output_problem(source, out, args.force)
+        if problem:
+            raise UserError(problem)
         conversion = convert(source)
         print(conversion.table())
+        # checked before anything is written: a job difftune would refuse is not left behind
+        validate_job(conversion.job, out, build_registry(ROOT / "extensions"))
         write_job(conversion, out)
-        try:
-            load_config(str(out), build_registry(ROOT / "extensions"))
-        except UserError as err:
-            raise UserError(f"the imported job {out} does not pass difftune's checks (kept for editing):\n{err}")
     except UserError as err:
         report_user_error(err, args)
         return 1

@@ -239,3 +239,85 @@ def test_every_hint_for_a_fixture_key_is_what_the_importer_makes_of_it(registry)
                 assert hint in (mapped, mapped.split(".", 1)[-1]), (name, path, hint, mapped)
     for (section, key), target in ELSEWHERE.items():
         assert hints_for(section, key, registry) == [target]
+
+
+def test_the_migration_guide_shows_what_the_importer_does():
+    from toolkit.config.importers.docs import generated
+
+    page = (Path(__file__).parents[1] / "docs" / "migrating.md").read_text(encoding="utf-8")
+    assert generated() in page, "regenerate docs/migrating.md's tables: python -m toolkit.config.importers.docs"
+
+
+def minimal(**train) -> dict:
+    """An ai-toolkit job in its examples' form with nothing but the shared keys."""
+    return {"config": {"name": "m", "process": [{
+        "type": "sd_trainer", "network": {"type": "lora", "linear": 8, "linear_alpha": 8},
+        "datasets": [{"folder_path": "d"}], "model": {"name_or_path": "m", "arch": "zimage"},
+        "train": {"steps": 1000, **train}}]}}
+
+
+def test_ai_toolkits_timestep_indices_count_from_pure_noise():
+    """ai-toolkit's tables run from pure noise down: indices 0..499 are the noisy half, u from 0.5 to 1."""
+    job = import_aitoolkit(minimal(min_denoising_steps=0, max_denoising_steps=499, noise_scheduler="flowmatch",
+                                   timestep_type="linear")).job["config"]["process"][0]
+    assert job["train"]["timestep_range"] == [0.5, 1.0]
+
+
+def test_accumulation_of_the_ui_and_the_legacy_key_together():
+    """Every UI job carries `gradient_accumulation: 1`; with the legacy key above 1, ai-toolkit counts micro-batches."""
+    conversion = import_aitoolkit(minimal(gradient_accumulation=1, gradient_accumulation_steps=4))
+    train = conversion.job["config"]["process"][0]["train"]
+    assert train["gradient_accumulation"] == 4 and train["steps"] == 250
+    with pytest.raises(ImportRefused, match="both above 1"):
+        import_aitoolkit(minimal(gradient_accumulation=2, gradient_accumulation_steps=4))
+
+
+def test_adafactor_is_never_clipped_as_in_ai_toolkit():
+    train = import_aitoolkit(minimal(optimizer="adafactor", max_grad_norm=1.0, lr=1e-4)).job["config"]["process"][0][
+        "train"]
+    assert train["max_grad_norm"] == 0.0 and train["optimizer_params"]["relative_step"] is False
+
+
+def test_a_wrong_value_is_named_not_a_traceback():
+    with pytest.raises(ImportRefused, match=r"train\.steps: None is not a value"):
+        import_aitoolkit(minimal(steps=None))
+    with pytest.raises(ImportRefused, match="warms up over 1000 updates of 500"):
+        import_aitoolkit(minimal(steps=500, lr_scheduler="constant_with_warmup"))
+
+
+def test_the_import_never_overwrites_the_source_or_an_earlier_import(tmp_path, capsys):
+    source = tmp_path / "job.yaml"
+    source.write_text(yaml.safe_dump(minimal()))
+    before = source.read_text()
+    assert run.main(["--import-config", str(source), "-o", str(source)]) == 1
+    assert source.read_text() == before
+    out = tmp_path / "mine.yaml"
+    assert run.main(["--import-config", str(source), "-o", str(out)]) == 0
+    first = out.read_text()
+    assert run.main(["--import-config", str(source), "-o", str(out)]) == 1 and out.read_text() == first
+    assert run.main(["--import-config", str(source), "-o", str(out), "--force"]) == 0
+    assert run.main(["--import-config", str(source), "-o", str(tmp_path / "mine.json")]) == 1
+
+
+def test_what_tells_an_ai_toolkit_job_apart(tmp_path):
+    """Its arch names and process types alone; its other keys only together (one stray key in a difftune job gets the
+    schema's own message); a registered extension's process type is never another trainer's; kohya's sectioned toml."""
+    assert detect(minimal()) is None  # the shared keys only
+    with_arch = minimal()
+    with_arch["config"]["process"][0]["model"]["arch"] = "wan21:1b"
+    assert detect(with_arch) is not None
+    stray = minimal()
+    stray["config"]["process"][0]["save"] = {"push_to_hub": False}
+    assert detect(stray) is None
+    stray["config"]["process"][0]["sample"] = {"sampler": "flowmatch"}
+    assert detect(stray) is not None
+    extension = {"config": {"name": "e", "process": [{"type": "generate", "log_dir": "x", "sqlite_db_path": "y"}]}}
+    assert detect(extension) is not None and detect(extension, frozenset({"sd_trainer", "generate"})) is None
+    sectioned = {"model_arguments": {"pretrained_model_name_or_path": "m"}, "training_arguments": {"learning_rate": 1}}
+    assert detect(sectioned).trainer == "kohya sd-scripts configuration"
+    # asked explicitly, a file of the shared keys is read as ai-toolkit's, and says so
+    from toolkit.config.importers.importer import convert
+
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(minimal()))
+    assert any("read as an ai-toolkit job" in c for c in convert(path).checks)

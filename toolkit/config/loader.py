@@ -227,11 +227,7 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("train", "shuffle_caption"): "datasets[].shuffle_tokens",
     ("train", "keep_tokens"): "datasets[].keep_tokens",
     ("train", "caption_dropout_rate"): "datasets[].caption_dropout_rate",
-    ("train", "resolution"): "datasets[].resolution",
-    ("train", "mixed_precision"): "train.dtype",
     ("train", "output_dir"): "training_folder",
-    ("train", "vae"): "model.vae_name_or_path",
-    ("train", "v_parameterization"): "model.prediction_type: v_prediction",
 }
 
 
@@ -375,7 +371,7 @@ def load_config(
     """Load, expand and validate one job file. Returns the config and the file it came from."""
     path = resolve_config_path(arg, config_root)
     data = read_raw(path)
-    foreign = detect(data)
+    foreign = detect(data, frozenset(process_models))
     if foreign is not None:  # one message for the whole file: its keys would each be "unknown"
         raise ConfigError(foreign.message(str(path)))
     data = expand_env(data, path, os.environ if environ is None else environ)

@@ -34,6 +34,13 @@ FLAGS = (("is_v2", "sd2"), ("is_v3", "sd3"), ("is_xl", "sdxl"), ("is_pixart", "p
          ("is_lumina2", "lumina2"), ("is_vega", "vega"), ("is_ssd", "ssd"))
 #: the static time shift of ai-toolkit's training scheduler, by its arch; the others' shift is dynamic
 STATIC_SHIFT = {"zimage": 3.0, "wan21": 3.0, "wan22_5b": 5.0, "wan22_14b": 5.0}
+#: ai-toolkit archs imported as a family they derive from, and what differs
+VARIANTS = {"ssd": "SSD-1B, a distilled SDXL: difftune loads it as sdxl from its diffusers config",
+            "vega": "Vega, a distilled SDXL: difftune loads it as sdxl from its diffusers config",
+            "flex1": "Flex.1 is imported as flux; ai-toolkit bypasses its guidance embedding in training "
+                     "(bypass_guidance_embedding), difftune feeds it train.guidance_scale"}
+#: ai-toolkit archs whose training scheduler stretches its shifted schedule to a terminal value
+TERMINAL_SHIFT = frozenset({"qwen_image"})
 #: ai-toolkit archs with two experts (`model_kwargs.train_high_noise` / `train_low_noise`)
 EXPERT_ARCHS = frozenset({"wan22_14b"})
 
@@ -64,6 +71,18 @@ UI_ONLY = {"sqlite_db_path": "UI-only (its job database)", "performance_log_ever
            "train.sdp": "attention kernel (performance)", "train.attention_backend": "attention kernel (performance)"}
 
 
+#: ai-toolkit's defaults of keys without a difftune equivalent: such a key is worth a check only when it differs
+DEFAULTS: dict[str, Any] = {
+    "datasets[].buckets": True, "datasets[].bucket_tolerance": 64, "datasets[].square_crop": False,
+    "datasets[].random_scale": False, "datasets[].scale": 1.0, "datasets[].loss_multiplier": 1.0,
+    "datasets[].prior_reg": False, "datasets[].alpha_mask": False, "datasets[].invert_mask": False,
+    "network.transformer_only": True, "model.use_text_encoder_1": True, "model.use_text_encoder_2": True,
+    "train.next_sample_timesteps": 8, "train.num_train_timesteps": 1000, "train.snr_gamma": None,
+    "train.learnable_snr_gos": False, "train.force_first_sample": False, "train.xformers": False,
+    "train.sdp": False, "sample.network_multiplier": 1, "sample.sample_start_step": 0, "sample.format": "jpg",
+}
+
+
 def import_aitoolkit(data: dict[str, Any], name: str = "") -> Conversion:
     """The difftune job for an ai-toolkit job file's parsed `data`."""
     config = data.get("config") if isinstance(data.get("config"), dict) else {}
@@ -76,16 +95,26 @@ def import_aitoolkit(data: dict[str, Any], name: str = "") -> Conversion:
     if len(processes) > 1:
         raise ImportRefused(f"the file has {len(processes)} processes; import one job per file (split it)")
     process = training[0]
-    if "network" not in process:
+    if not isinstance(process.get("network"), dict):
         raise ImportRefused("no `network` block: ai-toolkit fine-tunes the whole model then; difftune trains LoRAs")
     job_name = str(config.get("name") or name or "imported")
     out = Conversion("ai-toolkit", job={"job": "extension", "config": {"name": job_name, "process": [
         {"type": "sd_trainer"}]}})
+    out.rows.append(Row("job", f"-> job = 'extension'  (was {data.get('job', 'extension')!r})"))
+    out.rows.append(Row("config.name", f"-> config.name = {job_name!r}"))
     if isinstance(data.get("meta"), dict):
         out.job["meta"] = data["meta"]
+        out.rows.append(Row("meta", "-> meta (copied as it is)"))
     source = Source(process, leaves=LEAVES)
     family, arch = family_of(source)
-    AiToolkitJob(source, out, family, arch).convert()
+    job = AiToolkitJob(source, out, family, arch)
+    try:
+        job.convert()
+    except ImportRefused:
+        raise
+    except (TypeError, ValueError) as err:  # a value of the wrong kind (null, a list where a number goes)
+        where = job.src.last or "the file"
+        raise ImportRefused(f"{where}: {job.src.values.get(where)!r} is not a value this key takes ({err})") from err
     return out
 
 
@@ -98,6 +127,8 @@ def family_of(source: Source) -> tuple[str, str]:
     arch = str(arch).split(":")[0]
     if arch in FAMILIES:
         return FAMILIES[arch], arch
+    if arch.startswith("http") or "civitai" in arch:
+        raise ImportRefused(f"model.arch '{arch}' is not an arch name")
     known = ", ".join(sorted(set(FAMILIES.values())))
     title = UNSUPPORTED.get(arch, "a model")
     raise ImportRefused(f"model.arch '{arch}' ({title}) has no difftune family; difftune trains {known} and "
@@ -178,6 +209,8 @@ class AiToolkitJob:
     def model(self) -> None:
         out, family = self.out, self.family
         out.put("model.arch", family)
+        if self.arch in VARIANTS:
+            out.check(f"model.arch {self.arch}: {VARIANTS[self.arch]}")
         said = [p for p in ["model.arch", *(f"model.{flag}" for flag, _ in FLAGS)] if p in self.src.values]
         for path in said or ["(default)"]:
             out.rows.append(Row(path, f"-> model.arch = '{family}'  (ai-toolkit arch '{self.arch}')"))
@@ -196,7 +229,14 @@ class AiToolkitJob:
                 out.assumed("model.quantize_te", bool(quantize), "ai-toolkit: quantize_te follows quantize")
             for key in ("qtype", "qtype_te"):
                 self.quantization_type(key)
-            self.same("model.assistant_lora_path")
+            assistant = self.same("model.assistant_lora_path")
+            if assistant not in (MISSING, None) and not str(assistant).endswith(".safetensors"):
+                out.check(f"model.assistant_lora_path {assistant!r}: difftune reads a local .safetensors file; "
+                          "download the adapter and give its path")
+            elif assistant not in (MISSING, None) and str(assistant).count("/") >= 2 and \
+                    not str(assistant).startswith(("/", ".", "~")):
+                out.check(f"model.assistant_lora_path {assistant!r}: a file inside a hub repository; download it and "
+                          "give its local path")
         else:  # ai-toolkit loads the SD UNets unquantized whatever the file says
             for key in ("quantize", "quantize_te", "qtype", "qtype_te"):
                 self.ignored(f"model.{key}")
@@ -205,7 +245,10 @@ class AiToolkitJob:
             if "vae_name_or_path" in self.model_keys:
                 self.same("model.vae_path", "model.vae_name_or_path")
             else:
-                self.ignored("model.vae_path", "no other VAE for this family in difftune")
+                vae = self.take("model.vae_path")
+                if vae:
+                    out.dropped("model.vae_path", "no other VAE for this family in difftune")
+                    out.check(f"model.vae_path {vae!r}: difftune uses the model's own VAE for this family")
         for key in ("extras_name_or_path", "te_name_or_path"):
             value = self.take(f"model.{key}")
             if value not in (MISSING, None):
@@ -248,13 +291,17 @@ class AiToolkitJob:
 
     def network(self) -> None:
         out = self.out
-        kind = str(self.take("network.type", "lora"))
+        kind = str(self.take("network.type", "lora")).lower()
         if kind in ("lora", "locon", "lycoris"):
             out.put("network.type", "lora")
             out.rows.append(Row("network.type", f"-> network.type = 'lora'  (ai-toolkit '{kind}')"))
         elif kind == "lokr":
             out.put("network.type", "lokr")
             out.rows.append(Row("network.type", "-> network.type = 'lokr'"))
+            for key in ("lokr_full_rank", "lokr_factor"):
+                if self.src.has(f"network.{key}"):
+                    self.take(f"network.{key}")
+                    out.dropped(f"network.{key}", "no difftune equivalent (peft LoKr of rank network.linear)")
             if self.src.values.get("network.lokr_full_rank", True):
                 out.check("network.type lokr: ai-toolkit's full-rank LoKr (lokr_full_rank, lokr_factor) is not "
                           "difftune's (peft LoKr of rank network.linear)")
@@ -262,7 +309,9 @@ class AiToolkitJob:
             raise ImportRefused(f"network.type '{kind}' has no difftune equivalent (lora, lokr)")
         rank = self.value_or_default("network.linear", "network.linear", 4, int) if not self.src.has(
             "network.rank") else self.same("network.rank", "network.linear", int)
-        alpha_key = "network.alpha" if self.src.has("network.alpha") else "network.linear_alpha"
+        alpha_key = "network.linear_alpha" if self.src.has("network.linear_alpha") else "network.alpha"
+        if alpha_key == "network.linear_alpha":
+            self.ignored("network.alpha", "network.linear_alpha wins over it in ai-toolkit")
         if self.flow:
             self.ignored(alpha_key, "ai-toolkit ignores it for this model (alpha = rank)")
             out.assumed("network.linear_alpha", float(rank), "ai-toolkit builds this family's LoRA with alpha = rank")
@@ -278,9 +327,15 @@ class AiToolkitJob:
             out.check(f"network.dropout {dropout}: ai-toolkit drops the LoRA's hidden units, difftune's dropout "
                       "drops its inputs; set network.dropout yourself if you want it")
         kwargs = self.take("network.network_kwargs", {}) or {}
-        for key in ("ignore_if_contains", "only_if_contains", "rank_dropout", "module_dropout"):
-            if kwargs.get(key):
-                out.mapped(f"network.network_kwargs.{key}", f"network.{key}", kwargs[key])
+        for key, value in kwargs.items():
+            if key in ("ignore_if_contains", "only_if_contains", "rank_dropout", "module_dropout"):
+                if value:
+                    out.mapped(f"network.network_kwargs.{key}", f"network.{key}", value)
+                else:
+                    out.dropped(f"network.network_kwargs.{key}", f"{value!r}: nothing to filter or drop")
+            else:
+                out.dropped(f"network.network_kwargs.{key}", "no difftune equivalent")
+                out.check(f"network.network_kwargs.{key} = {value!r}: no difftune equivalent; it is dropped")
         self.same("network.pretrained_lora_path")
         text = self.take("train.train_text_encoder")
         if text is not MISSING and text and not self.facts.text_encoder_lora:
@@ -310,13 +365,14 @@ class AiToolkitJob:
         if caption not in (MISSING, None, ""):
             out.mapped(f"{at}.default_caption", f"{at}.default_caption", caption)
         resolution = self.take(f"{at}.resolution", 512)
-        sizes = [int(r) for r in (resolution if isinstance(resolution, list) else [resolution])]
+        sizes = sorted({int(r) for r in (resolution if isinstance(resolution, list) else [resolution])})
         out.mapped(f"{at}.resolution", f"{at}.resolution", sizes)
         if len(sizes) > 1:
             out.check(f"{at}.resolution {sizes}: ai-toolkit trains every image at every size (upscaling small "
                       "ones); difftune skips the sizes larger than an image (but always the smallest)")
-        for key in ("num_repeats", "is_reg", "cache_latents", "cache_latents_to_disk", "random_crop"):
-            self.same(f"{at}.{key}")
+        self.same(f"{at}.num_repeats", convert=int)
+        for key in ("is_reg", "cache_latents", "cache_latents_to_disk", "random_crop"):
+            self.same(f"{at}.{key}", convert=bool)
         if self.facts.video:
             self.same(f"{at}.num_frames", convert=int)
         else:
@@ -346,17 +402,52 @@ class AiToolkitJob:
         else:
             self.ignored(f"{at}.mask_min_value", "no mask_path")
         trigger = self.take(f"{at}.trigger_word")
-        if trigger not in (MISSING, None) and trigger != self.src.values.get("trigger_word"):
+        job_trigger = self.src.values.get("trigger_word")
+        if trigger not in (MISSING, None) and job_trigger in (None, trigger) and self.dataset_triggers() == {trigger}:
+            out.mapped(f"{at}.trigger_word", "trigger_word", trigger, "every dataset has it")
+        elif trigger not in (MISSING, None) and trigger != job_trigger:
             out.dropped(f"{at}.trigger_word", "difftune has one trigger word per job")
             out.check(f"{at}.trigger_word '{trigger}': only the job's trigger_word is used")
-        if self.facts.video and self.take(f"{at}.shrink_video_to_frames", True):
+        shrink = self.take(f"{at}.shrink_video_to_frames", True)
+        fps = self.take(f"{at}.fps")
+        if self.facts.video and shrink:
             out.check(f"{at}: ai-toolkit spreads num_frames over the whole clip; difftune takes them from its "
                       "start at datasets[].fps")
+            if fps is not MISSING:
+                out.dropped(f"{at}.fps", "ai-toolkit ignores it with shrink_video_to_frames")
+        elif self.facts.video:
+            out.mapped(f"{at}.fps", f"{at}.fps", float(24 if fps in (MISSING, None) else fps))
+        elif fps is not MISSING:
+            out.dropped(f"{at}.fps", "this model trains on images")
+        if self.src.has(f"{at}.shrink_video_to_frames"):
+            out.dropped(f"{at}.shrink_video_to_frames", "read with num_frames and fps above")
+        weight = self.take(f"{at}.network_weight", 1)
+        if weight != 1:
+            out.dropped(f"{at}.network_weight", "no difftune equivalent")
+            out.check(f"{at}.network_weight {weight}: difftune applies the LoRA at full strength to every dataset")
+        elif self.src.has(f"{at}.network_weight"):
+            out.dropped(f"{at}.network_weight", "1: full strength, as in difftune")
+        controls = self.take(f"{at}.controls", [])
+        if controls:
+            raise ImportRefused(f"{at}.controls: control images have no difftune equivalent")
+        if self.src.has(f"{at}.controls"):
+            out.dropped(f"{at}.controls", "none given")
+
+    def dataset_triggers(self) -> set:
+        return {v for p, v in self.src.values.items() if p.startswith("datasets[") and p.endswith(".trigger_word")}
 
     def train(self) -> None:
         out = self.out
-        accumulation = self.same("train.gradient_accumulation", convert=int)
+        accumulation = self.take("train.gradient_accumulation", 1)
         legacy = self.take("train.gradient_accumulation_steps", 1)
+        if accumulation not in (None, 1) and legacy not in (None, 1):
+            raise ImportRefused("train.gradient_accumulation and train.gradient_accumulation_steps are both above 1, "
+                                "which ai-toolkit refuses")
+        if accumulation not in (None, 1) or (self.src.has("train.gradient_accumulation") and legacy in (None, 1)):
+            out.mapped("train.gradient_accumulation", "train.gradient_accumulation", int(accumulation or 1))
+        elif self.src.has("train.gradient_accumulation"):
+            out.dropped("train.gradient_accumulation", "1: ai-toolkit then counts by gradient_accumulation_steps")
+        accumulation = MISSING if accumulation in (None, 1) else accumulation
         steps = self.take("train.steps", 1000)
         scale = 1
         if accumulation is MISSING and legacy == 1 and self.src.has("train.gradient_accumulation_steps"):
@@ -370,6 +461,7 @@ class AiToolkitJob:
             out.check("train.gradient_accumulation_steps: ai-toolkit counts steps, save_every and sample_every in "
                       f"micro-batches; they were divided by {scale} into optimizer updates")
         updates = max(1, math.ceil(int(steps) / scale))
+        self.updates = updates
         if self.src.has("train.steps"):
             out.mapped("train.steps", "train.steps", updates)
         else:
@@ -379,13 +471,25 @@ class AiToolkitJob:
         self.optimizer()
         self.schedule()
         self.value_or_default("train.gradient_checkpointing", "train.gradient_checkpointing", True, bool)
-        self.same("train.max_grad_norm", convert=float)
+        if self.src.values.get("train.optimizer") == "adafactor":
+            self.ignored("train.max_grad_norm", "ai-toolkit does not clip Adafactor's gradients")
+        else:
+            self.same("train.max_grad_norm", convert=float)
         self.timesteps()
         self.objective()
         self.same("train.cache_text_embeddings", convert=bool)
-        if self.take("train.unload_text_encoder", False) and not self.src.values.get("train.cache_text_embeddings"):
+        unload = self.take("train.unload_text_encoder", False)
+        caching = bool(self.src.values.get("train.cache_text_embeddings"))
+        if unload and not caching:
             raise ImportRefused("train.unload_text_encoder without cache_text_embeddings trains on the trigger word "
                                 "alone, which difftune does not do")
+        if self.src.has("train.unload_text_encoder"):
+            out.dropped("train.unload_text_encoder", "the text encoder leaves once captions are cached, as in "
+                                                      "difftune" if unload else "off")
+        if caching and any(self.src.values.get(p) for p in self.src.values
+                           if p.endswith((".shuffle_tokens", ".token_dropout_rate"))):
+            out.check("train.cache_text_embeddings: ai-toolkit freezes caption shuffling and token dropout at "
+                      "caching time; difftune applies them to the cached captions every epoch")
         paths = self.src.under("train.ema_config")
         ema = {k.split(".")[-1]: self.take(k) for k in paths}
         if ema.get("use_ema"):
@@ -419,7 +523,6 @@ class AiToolkitJob:
             for key in ("relative_step", "scale_parameter", "warmup_init"):
                 params.setdefault(key, False)
             out.assumed("train.max_grad_norm", 0.0, "ai-toolkit does not clip Adafactor's gradients")
-            self.src.read.add("train.max_grad_norm")
         out.put("train.optimizer_params", params)
         out.rows.append(Row("train.optimizer_params", f"-> train.optimizer_params = {params}  (with ai-toolkit's "
                                                        "own defaults for this optimizer)"))
@@ -448,11 +551,18 @@ class AiToolkitJob:
         else:
             out.mapped("train.lr_scheduler", "train.lr_scheduler", name)
         if name == "constant_with_warmup":
-            warmup = int(params.pop("num_warmup_steps", 1000))
-            out.put("train.lr_warmup_steps", max(0, math.ceil(warmup / self.scale)))
+            warmup = math.ceil(int(params.pop("num_warmup_steps", 1000)) / self.scale)
+            if warmup >= self.updates:
+                raise ImportRefused(f"train.lr_scheduler constant_with_warmup warms up over {warmup} updates of "
+                                    f"{self.updates}: ai-toolkit never reaches lr; give lr_scheduler_params."
+                                    "num_warmup_steps below train.steps")
+            out.put("train.lr_warmup_steps", warmup)
             out.rows.append(Row("train.lr_scheduler_params", f"-> train.lr_warmup_steps = {warmup}"))
-        if name == "cosine" and params.get("eta_min"):
-            out.check(f"train.lr_scheduler_params.eta_min {params['eta_min']}: difftune's cosine ends at 0")
+        eta = params.pop("eta_min", 0)
+        if eta:
+            out.check(f"train.lr_scheduler_params.eta_min {eta}: difftune's cosine ends at 0")
+        if params:
+            out.check(f"train.lr_scheduler_params {params}: no difftune equivalent; dropped")
 
     def timesteps(self) -> None:
         """`timestep_type` acts only with `noise_scheduler: flowmatch` on a flow-matching family; elsewhere
@@ -467,13 +577,21 @@ class AiToolkitJob:
                                     "which difftune does not do")
             out.dropped("train.noise_scheduler", "ai-toolkit's training noise schedule (DDPM for this model: "
                                                  "difftune's too); not an LR schedule")
-            if self.src.has("train.timestep_type"):
-                out.dropped("train.timestep_type", "ai-toolkit ignores it for this model (DDPM draws)")
+            for key in ("timestep_type", "linear_timesteps", "linear_timesteps2"):
+                if self.src.has(f"train.{key}"):
+                    out.dropped(f"train.{key}", "ai-toolkit ignores it for this model (DDPM draws)")
             out.assumed("train.timestep_type", "uniform", "what ai-toolkit draws for this model")
             self.content_or_style(uniform=True)
             return
         out.dropped("train.noise_scheduler", "flow matching, the family's own (not an LR schedule)")
         if scheduler != "flowmatch":
+            for key in ("timestep_type", "linear_timesteps", "linear_timesteps2"):
+                if self.src.has(f"train.{key}"):
+                    out.dropped(f"train.{key}", "ai-toolkit draws timesteps without it unless noise_scheduler is "
+                                                "flowmatch")
+            if weighted or kind == "weighted":
+                out.check("train.linear_timesteps / timestep_type weighted: ai-toolkit still weights this model's "
+                          "loss by them without flowmatch; difftune does not")
             shift = STATIC_SHIFT.get(self.arch)
             if shift is None:
                 raise ImportRefused(f"train.noise_scheduler '{scheduler}' with {self.arch}: ai-toolkit cannot train "
@@ -483,10 +601,16 @@ class AiToolkitJob:
             out.put("train.timestep_params", {"shift": shift})
             self.content_or_style(uniform=False)
             return
+        if self.take("train.linear_timesteps2", False):
+            raise ImportRefused("train.linear_timesteps2 (a half-bell weighting) has no difftune equivalent")
         if weighted:
             out.mapped("train.linear_timesteps", "train.timestep_type", "weighted", "the same bell-shaped weighting")
-            self.content_or_style(uniform=False)
+            if self.src.has("train.timestep_type"):
+                out.dropped("train.timestep_type", "linear_timesteps replaces it")
+            self.content_or_style(uniform=True)
             return
+        if self.src.has("train.linear_timesteps"):
+            out.dropped("train.linear_timesteps", "off")
         kind = str(kind)
         if kind == "sigmoid" and not self.src.has("train.timestep_type"):
             out.assumed("train.timestep_type", "sigmoid", "ai-toolkit's default for train.timestep_type")
@@ -495,6 +619,9 @@ class AiToolkitJob:
         elif kind == "linear":
             out.mapped("train.timestep_type", "train.timestep_type", "uniform", "ai-toolkit's linear draws uniformly")
         elif kind in ("shift", "flux_shift", "lumina2_shift"):
+            if self.arch in TERMINAL_SHIFT:
+                out.check("train.timestep_type shift on Qwen-Image: ai-toolkit's scheduler also stretches the shifted "
+                          "schedule to a terminal value (shift_terminal 0.02); difftune's dynamic shift does not")
             if self.arch not in STATIC_SHIFT:
                 out.mapped("train.timestep_type", "train.timestep_type", "shift", "dynamic, from the image size")
                 out.put("train.timestep_params", {"dynamic_shift": True})
@@ -510,7 +637,7 @@ class AiToolkitJob:
             out.check("train.timestep_type lognorm_blend: difftune's blend approximates ai-toolkit's")
         else:
             raise ImportRefused(f"train.timestep_type '{kind}' has no difftune equivalent")
-        self.content_or_style(uniform=kind == "linear")
+        self.content_or_style(uniform=kind in ("linear", "weighted"))
 
     def content_or_style(self, uniform: bool) -> None:
         value = self.same("train.content_or_style")
@@ -521,11 +648,26 @@ class AiToolkitJob:
         out = self.out
         low, high = self.take("train.min_denoising_steps", 0), self.take("train.max_denoising_steps", 999)
         if (low, high) != (0, 999):
-            out.mapped("train.min_denoising_steps", "train.timestep_range", [low / 1000, (high + 1) / 1000])
+            # ai-toolkit's timestep tables run from pure noise (index 0) down: indices low..high are u from
+            # 1 - (high + 1)/1000 up to 1 - low/1000
+            span = [round(1 - (int(high) + 1) / 1000, 6), round(1 - int(low) / 1000, 6)]
+            for key in ("min_denoising_steps", "max_denoising_steps"):
+                if self.src.has(f"train.{key}"):
+                    out.mapped(f"train.{key}", "train.timestep_range", span, "ai-toolkit indexes from high noise")
+            if self.src.values.get("train.timestep_type", "sigmoid") not in ("linear",) and self.flow:
+                out.check("train.min/max_denoising_steps: ai-toolkit takes them as indices into its (non-uniform) "
+                          "timestep table; difftune's timestep_range is a range of u, the same only for uniform draws")
+        else:
+            for key in ("min_denoising_steps", "max_denoising_steps"):
+                if self.src.has(f"train.{key}"):
+                    out.dropped(f"train.{key}", "the whole range, as in difftune")
         gamma = self.take("train.min_snr_gamma")
         if gamma not in (MISSING, None):
             if self.facts.ddpm_noise:
                 out.mapped("train.min_snr_gamma", "train.min_snr_gamma", float(gamma))
+                if self.src.values.get("model.is_v_pred"):
+                    out.check("train.min_snr_gamma with v-prediction: ai-toolkit weights by min(gamma/SNR, 1) (the "
+                              "epsilon form); difftune uses the v-prediction form")
             else:
                 out.dropped("train.min_snr_gamma", "ai-toolkit cannot apply it to a flow-matching model")
         self.same("train.noise_offset", convert=float)
@@ -548,7 +690,9 @@ class AiToolkitJob:
             out.check("train.diff_output_preservation: difftune has no class-word preservation (its "
                       "blank_prompt_preservation keeps the blank prompt's prediction, which is another thing)")
         for key in ("diff_output_preservation_multiplier", "diff_output_preservation_class"):
-            self.ignored(f"train.{key}", "only with diff_output_preservation")
+            on = self.src.values.get("train.diff_output_preservation")
+            self.ignored(f"train.{key}", "with diff_output_preservation, dropped" if on else
+                         "only with diff_output_preservation")
         if self.take("train.do_differential_guidance", False):
             out.mapped("train.do_differential_guidance", "train.differential_guidance_scale",
                        float(self.take("train.differential_guidance_scale", 3.0)))
@@ -589,10 +733,16 @@ class AiToolkitJob:
         if disabled:
             out.rows.append(Row("train.disable_sampling", "-> no sample.prompts"))
             for path in self.src.under("sample"):
-                self.src.read.add(path)
+                self.take(path)
+                out.dropped(path, "sampling is disabled")
             return
-        if self.src.has("sample.prompts") or self.src.has("sample.samples"):
-            out.mapped("sample.samples" if items else "sample.prompts", "sample.prompts", prompts)
+        if items:
+            prompts = [str(item.get("prompt", "")) for item in items if isinstance(item, dict)]
+            out.mapped("sample.samples", "sample.prompts", prompts)
+            if self.src.has("sample.prompts"):
+                out.dropped("sample.prompts", "ai-toolkit renders sample.samples when it has them")
+        elif self.src.has("sample.prompts"):
+            out.mapped("sample.prompts", "sample.prompts", prompts)
         overrides = sorted({k for item in items if isinstance(item, dict) for k in item if k != "prompt"})
         if overrides:
             out.check(f"sample.samples: per-prompt {', '.join(overrides)} dropped; difftune renders every prompt "
@@ -646,7 +796,10 @@ class AiToolkitJob:
             value = self.src.values[path]
             if reason is None:
                 reason = "no difftune equivalent"
-                if value not in (None, False, 0, "", [], {}):
+                default = DEFAULTS.get(general, None)
+                if value != default and value not in ([], {}) and not (default is None and value in (False, 0, "")):
                     self.out.check(f"{path} = {value!r}: no difftune equivalent; it is dropped")
+                elif general in DEFAULTS:
+                    reason = "ai-toolkit's default, which difftune does anyway"
             self.out.dropped(path, reason)
 

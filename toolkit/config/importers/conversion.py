@@ -51,6 +51,8 @@ class Source:
     def __init__(self, data: dict[str, Any], leaves: tuple[str, ...] = ()):
         self.values = flatten(data, leaves=leaves)
         self.read: set[str] = set()
+        #: the path read last (an error converting its value names it)
+        self.last = ""
 
     def has(self, path: str) -> bool:
         return path in self.values
@@ -59,6 +61,7 @@ class Source:
         """The value at `path` (marked as read), or `default`."""
         if path in self.values:
             self.read.add(path)
+            self.last = path
             return self.values[path]
         return default
 

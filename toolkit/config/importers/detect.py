@@ -65,9 +65,17 @@ class Foreign:
                 f"python run.py --import-config {path} -o <new job>.yaml (it says what each key became)")
 
 
-def detect(data: dict[str, Any]) -> Foreign | None:
+#: ai-toolkit arch strings that are no difftune arch (its own names, or a `name:tag`)
+AITOOLKIT_ARCHS = frozenset({"sd1", "sd2", "sd3", "flex1", "flex2", "wan21", "wan22_5b", "wan22_14b", "chroma",
+                             "flux_kontext", "flux2", "qwen_image_edit", "qwen_image_edit_plus", "lumina2",
+                             "hidream", "omnigen2", "pixart", "pixart_sigma", "auraflow", "ssd", "vega", "zimage_l2p",
+                             "wan21_i2v", "wan22_14b_i2v", "cogview4"})
+
+
+def detect(data: dict[str, Any], own_types: frozenset[str] = frozenset({"sd_trainer"})) -> Foreign | None:
     """The foreign trainer `data` (a parsed job file) was written for; None for a difftune job (or anything else,
-    left to the schema to explain)."""
+    left to the schema to explain). `own_types`: the process types difftune has (extensions included), never taken
+    for another trainer's."""
     if not isinstance(data, dict):
         return None
     gui = [key for key in ("LoRA_type", "model_list", "flux1_checkbox", "sdxl_checkbox") if key in data]
@@ -81,24 +89,35 @@ def detect(data: dict[str, Any]) -> Foreign | None:
         if any("subsets" in d for d in datasets) or "general" in data:
             return Foreign("kohya sd-scripts dataset config", ("datasets[].subsets",) if any(
                 "subsets" in d for d in datasets) else ("general",))
-    kohya = sorted(KOHYA_KEYS & set(data))
+    # kohya reads its tables (`[model_arguments]`, ...) as one flat namespace
+    flat = set(data) | {k for v in data.values() if isinstance(v, dict) for k in v}
+    kohya = sorted(KOHYA_KEYS & flat)
     if "config" not in data and len(kohya) >= 2:
         return Foreign("kohya sd-scripts configuration", tuple(kohya))
-    return _aitoolkit(data)
+    return _aitoolkit(data, own_types)
 
 
-def _aitoolkit(data: dict[str, Any]) -> Foreign | None:
+def _aitoolkit(data: dict[str, Any], own_types: frozenset[str]) -> Foreign | None:
+    """A process type or arch of ai-toolkit's alone tells; its other keys only two or more together (one stray
+    key in a difftune job gets the schema's own message)."""
     config = data.get("config")
     processes = config.get("process") if isinstance(config, dict) else None
     if not isinstance(processes, list):
         return None
+    strong: list[str] = []
     evidence: list[str] = []
     for index, process in enumerate(processes):
-        if not isinstance(process, dict):
+        if not isinstance(process, dict) or (process.get("type") in own_types and process.get("type") != "sd_trainer"):
             continue
         where = f"config.process[{index}]"
         if process.get("type") in AITOOLKIT_PROCESS_TYPES:
-            evidence.append(f"{where}.type: {process['type']}")
+            strong.append(f"{where}.type: {process['type']}")
+        model = process.get("model")
+        arch = str(model.get("arch", "")) if isinstance(model, dict) else ""
+        if arch and (arch.split(":")[0] in AITOOLKIT_ARCHS or ":" in arch):
+            strong.append(f"{where}.model.arch: {arch}")
+        if isinstance(model, dict) and any(model.get(flag) for flag in ("is_flux", "is_xl", "is_v2", "is_v3")):
+            strong.append(f"{where}.model.is_*")
         for section, keys in AITOOLKIT_KEYS.items():
             block = process if not section else process.get(section)
             if isinstance(block, dict):
@@ -106,4 +125,6 @@ def _aitoolkit(data: dict[str, Any]) -> Foreign | None:
         datasets = process.get("datasets")
         if isinstance(datasets, list) and any(isinstance(d, dict) and "network_weight" in d for d in datasets):
             evidence.append(f"{where}.datasets[].network_weight")
-    return Foreign("ai-toolkit job", tuple(evidence)) if evidence else None
+    if strong or len(evidence) >= 2:
+        return Foreign("ai-toolkit job", tuple(strong + evidence))
+    return None

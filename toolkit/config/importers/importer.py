@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.config.importers.aitoolkit import import_aitoolkit
+from toolkit.config.importers.aitoolkit import TRAINING_TYPES, import_aitoolkit
 from toolkit.config.importers.conversion import Conversion, ImportRefused
 from toolkit.config.importers.detect import detect
 
@@ -18,11 +18,32 @@ def convert(path: Path) -> Conversion:
 
     data = read_raw(path)
     found = detect(data)
+    config = data.get("config") if isinstance(data.get("config"), dict) else {}
+    processes = config.get("process") if isinstance(config.get("process"), list) else []
+    if found is None and any(isinstance(p, dict) and p.get("type") in TRAINING_TYPES for p in processes):
+        # the shape both tools share, and none of ai-toolkit's own keys: asked to import, it is read as ai-toolkit's
+        conversion = import_aitoolkit(data, name=path.stem)
+        conversion.check("the file has no key only ai-toolkit uses: it was read as an ai-toolkit job because you "
+                         "asked to import it (a difftune job runs as it is)")
+        return conversion
     if found is None:
-        raise ImportRefused(f"{path}: no other trainer's keys found; if it is a difftune job, run it as it is")
+        raise ImportRefused(f"{path}: no other trainer's job found in it")
     if found.trainer == "ai-toolkit job":
         return import_aitoolkit(data, name=path.stem)
     raise ImportRefused(found.message(str(path)))
+
+
+def output_problem(source: Path, out: Path, force: bool) -> str | None:
+    """Why the import must not write `out` (None: it may)."""
+    if out.suffix not in (".yaml", ".yml"):
+        return f"-o {out}: the imported job is YAML; give a .yaml file"
+    if out.exists() and out.resolve() == source.resolve():
+        return f"-o {out} is the file being imported; give another name"
+    if out.is_dir():
+        return f"-o {out} is a folder; give a .yaml file"
+    if out.exists() and not force:
+        return f"{out} exists; give another -o, or --force to replace it"
+    return None
 
 
 def write_job(conversion: Conversion, out: Path) -> None:
