@@ -42,10 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="--convert-lora from kohya keys: the model whose module names resolve them "
                         "(default: the base model in the file's header)")
     parser.add_argument("--import-config", metavar="FILE", help="write a difftune job that means the same training "
-                        "as an ai-toolkit job file, and print what each of its keys became")
+                        "as an ai-toolkit job or a kohya sd-scripts configuration, and print what each key became")
     parser.add_argument("-o", "--output", metavar="OUT", help="--import-config: the job file to write (default: "
                         "FILE's name with .difftune.yaml)")
     parser.add_argument("--force", action="store_true", help="--import-config: replace OUT if it exists")
+    parser.add_argument("--family", choices=["sd15", "sdxl", "flux"], help="--import-config of a kohya "
+                        "configuration: the model family, where its arguments cannot tell SD 1.x from SDXL")
     parser.add_argument("--ui", nargs="?", const="output", metavar="TRAINING_FOLDER",
                         help="serve the web dashboard for the runs under TRAINING_FOLDER (default: output)")
     parser.add_argument("--host", default="127.0.0.1", help="--ui: the address to listen on (any address but a "
@@ -121,7 +123,7 @@ def import_config(args: argparse.Namespace) -> int:
         problem = output_problem(source, out, args.force)
         if problem:
             raise UserError(problem)
-        conversion = convert(source)
+        conversion = convert(source, args.family)
         print(conversion.table())
         # checked before anything is written: a job difftune would refuse is not left behind
         validate_job(conversion.job, out, build_registry(ROOT / "extensions"))

@@ -170,11 +170,8 @@ def test_the_imported_ui_sd15_job_trains_on_the_tiny_model(tmp_path, registry):
 
 
 def test_a_kohya_configuration_run_directly_is_recognised(tmp_path, registry):
-    arguments = tmp_path / "lora.toml"
-    arguments.write_text('pretrained_model_name_or_path = "runwayml/stable-diffusion-v1-5"\n'
-                         'network_module = "networks.lora"\nnetwork_dim = 16\n')
-    with pytest.raises(ConfigError, match="kohya sd-scripts configuration file .* not a difftune job"):
-        load_config(str(arguments), registry)
+    with pytest.raises(ConfigError, match="kohya sd-scripts configuration file .* --import-config"):
+        load_config(str(FIXTURES / "kohya_sd15_lora.toml"), registry)
     dataset = tmp_path / "dataset.toml"
     dataset.write_text('[general]\nshuffle_caption = true\n[[datasets]]\nresolution = 512\n'
                        '[[datasets.subsets]]\nimage_dir = "img"\n')
@@ -239,13 +236,25 @@ def test_every_hint_for_a_fixture_key_is_what_the_importer_makes_of_it(registry)
                 assert hint in (mapped, mapped.split(".", 1)[-1]), (name, path, hint, mapped)
     for (section, key), target in ELSEWHERE.items():
         assert hints_for(section, key, registry) == [target]
+    # kohya's arguments, where a user would put them in a difftune job: at the process level and under `train`
+    from toolkit.config.importers.kohya import flat_arguments, import_kohya
+
+    data = read_raw(KOHYA)
+    conversion = import_kohya(data, KOHYA)
+    targets = {row.source: row.outcome.split(" = ")[0][3:] for row in conversion.rows if row.outcome.startswith("->")}
+    for key in flat_arguments(data):
+        for section in ("", "train"):
+            for hint in hints_for(section, key, registry):
+                mapped = targets.get(key, "")
+                assert mapped and (hint == mapped or mapped.endswith("." + hint)), (key, section, hint, mapped)
 
 
 def test_the_migration_guide_shows_what_the_importer_does():
-    from toolkit.config.importers.docs import generated
+    from toolkit.config.importers.docs import generated, generated_kohya
 
     page = (Path(__file__).parents[1] / "docs" / "migrating.md").read_text(encoding="utf-8")
-    assert generated() in page, "regenerate docs/migrating.md's tables: python -m toolkit.config.importers.docs"
+    for block in (generated(), generated_kohya()):
+        assert block in page, "regenerate docs/migrating.md's tables: python -m toolkit.config.importers.docs"
 
 
 def minimal(**train) -> dict:
@@ -321,3 +330,71 @@ def test_what_tells_an_ai_toolkit_job_apart(tmp_path):
     path = tmp_path / "shared.yaml"
     path.write_text(yaml.safe_dump(minimal()))
     assert any("read as an ai-toolkit job" in c for c in convert(path).checks)
+
+
+KOHYA = FIXTURES / "kohya_sd15_lora.toml"
+
+
+def test_a_kohya_configuration_imports_with_its_dataset_and_prompts(tmp_path, registry, capsys):
+    """The training toml (in kohya's tables) with the dataset toml and prompt file it names: what kohya applies is
+    what the job says (LR, steps, batch, rank/alpha, schedule, warmup, resolution, caption extension, repeats, the
+    text encoder trained by default, the caption of uncaptioned images)."""
+    out = tmp_path / "imported.yaml"
+    assert run.main(["--import-config", str(KOHYA), "-o", str(out)]) == 0
+    config, _ = load_config(str(out), registry)
+    process = config.config.process[0]
+    train, network, data = process.train, process.network, process.datasets[0]
+    assert process.model.arch == "sd15" and config.config.name == "shapes_lora"
+    assert (train.lr, train.text_encoder_lr, train.steps, train.batch_size) == (1e-4, 5e-5, 400, 2)
+    assert (network.linear, network.linear_alpha, network.conv, network.conv_alpha) == (16, 8.0, 4, 1.0)
+    assert network.train_text_encoder  # kohya trains it unless network_train_unet_only
+    assert (train.lr_scheduler, train.lr_warmup_steps, train.lr_scheduler_params.num_cycles) == (
+        "cosine_with_restarts", 50, 3)
+    assert train.optimizer == "adamw8bit" and train.optimizer_params == {"weight_decay": 0.01, "betas": [0.9, 0.99]}
+    assert (data.resolution, data.caption_ext, data.num_repeats, data.keep_tokens) == ([512], "txt", 10, 1)
+    assert data.shuffle_tokens and data.default_caption == "shp shape" and data.cache_latents
+    assert process.sample.prompts == ["shp, a red circle", "shp, a blue square"] and process.sample.seed == 1
+    assert (process.save.save_every, process.save.max_step_saves_to_keep, process.save.dtype) == (100, 4, "float16")
+    conversion_rows = capsys.readouterr().out
+    for key in ("xformers", "seed", "min_snr_gamma", "network_args conv_dim", "subset 0 image_dir"):
+        assert f"\n{key} " in conversion_rows, key
+
+
+def test_kohya_defaults_and_families(tmp_path):
+    from toolkit.config.importers.kohya import import_kohya
+
+    path = tmp_path / "args.toml"
+    data = {"pretrained_model_name_or_path": "/models/model.safetensors", "network_module": "networks.lora",
+            "train_data_dir": str(tmp_path / "train")}
+    (tmp_path / "train" / "5_ohwx dog").mkdir(parents=True)
+    with pytest.raises(ImportRefused, match="--family sd15 or --family sdxl"):
+        import_kohya(data, path)
+    job = import_kohya(data, path, family="sdxl").job["config"]["process"][0]
+    assert job["train"]["lr"] == 2e-6 and job["train"]["steps"] == 1600
+    assert job["network"]["linear"] == 4 and job["network"]["linear_alpha"] == 1.0
+    assert job["datasets"][0]["caption_ext"] == "caption" and job["datasets"][0]["num_repeats"] == 5
+    assert job["datasets"][0]["default_caption"] == "ohwx dog" and job["save"]["dtype"] == "float32"
+    flux = import_kohya({**data, "network_module": "networks.lora_flux"}, path).job["config"]["process"][0]
+    assert flux["model"]["arch"] == "flux" and flux["train"]["guidance_scale"] == 3.5
+    assert flux["train"]["timestep_type"] == "shift" and flux["train"]["timestep_params"] == {"shift": 3.0}
+    with pytest.raises(ImportRefused, match="Stable Diffusion 3"):
+        import_kohya({**data, "network_module": "networks.lora_sd3"}, path)
+
+
+@pytest.mark.slow
+def test_the_imported_kohya_job_trains_on_the_tiny_model(tmp_path, registry):
+    out = tmp_path / "imported.yaml"
+    assert run.main(["--import-config", str(KOHYA), "-o", str(out)]) == 0
+    job = yaml.safe_load(out.read_text())
+    process = job["config"]["process"][0]
+    process["model"]["name_or_path"] = "tiny"
+    process["datasets"][0].update(folder_path=str(QUICKSTART_DATA), resolution=[64], num_repeats=1)
+    process["training_folder"] = str(tmp_path / "output")
+    process["device"] = "cpu"
+    process["train"].update(steps=3, dtype="fp32", optimizer="adamw", lr_warmup_steps=1)
+    process["model"]["dtype"] = "fp32"
+    process["sample"].update(width=64, height=64, sample_steps=2)
+    out.write_text(json.dumps(job))
+    assert run.main([str(out)]) == 0
+    records = [r for r in read_metrics(tmp_path / "output" / "shapes_lora" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]

@@ -41,7 +41,7 @@ KOHYA_KEYS = frozenset({
 
 
 #: the trainers whose files `--import-config` reads
-IMPORTED = frozenset({"ai-toolkit job"})
+IMPORTED = frozenset({"ai-toolkit job", "kohya sd-scripts configuration", "kohya sd-scripts dataset config"})
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ import yaml
 from toolkit.config.importers.aitoolkit import TRAINING_TYPES, import_aitoolkit
 from toolkit.config.importers.conversion import Conversion, ImportRefused
 from toolkit.config.importers.detect import detect
+from toolkit.config.importers.kohya import import_kohya
 
 
-def convert(path: Path) -> Conversion:
-    """The difftune job (and report) for the foreign job file at `path`."""
+def convert(path: Path, family: str | None = None) -> Conversion:
+    """The difftune job (and report) for the foreign job file at `path`; `family` where a kohya configuration cannot
+    tell SD 1.x from SDXL."""
     from toolkit.config.loader import read_raw
 
     data = read_raw(path)
@@ -30,6 +32,11 @@ def convert(path: Path) -> Conversion:
         raise ImportRefused(f"{path}: no other trainer's job found in it")
     if found.trainer == "ai-toolkit job":
         return import_aitoolkit(data, name=path.stem)
+    if found.trainer == "kohya sd-scripts configuration":
+        return import_kohya(data, path, family)
+    if found.trainer == "kohya sd-scripts dataset config":
+        raise ImportRefused(f"{path} is a kohya dataset config: import the training configuration that names it "
+                            "(its dataset_config), which reads this file too")
     raise ImportRefused(found.message(str(path)))
 
 
