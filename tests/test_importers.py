@@ -398,3 +398,30 @@ def test_the_imported_kohya_job_trains_on_the_tiny_model(tmp_path, registry):
     assert run.main([str(out)]) == 0
     records = [r for r in read_metrics(tmp_path / "output" / "shapes_lora" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def test_kohya_review_cases(tmp_path):
+    """--family never overrides what the arguments say; the text encoders keep learning_rate when unet_lr is set;
+    conv_alpha defaults to 1; reg_data_dir's folders are regularisation datasets; Lion is refused; FLUX samples take
+    --g; spaced network_args are ignored as kohya ignores them."""
+    from toolkit.config.importers.kohya import import_kohya
+
+    (tmp_path / "train" / "10_shp").mkdir(parents=True)
+    (tmp_path / "reg" / "1_person").mkdir(parents=True)
+    base = {"pretrained_model_name_or_path": "sd-v1-5.safetensors", "network_module": "networks.lora",
+            "train_data_dir": str(tmp_path / "train"), "reg_data_dir": str(tmp_path / "reg")}
+    path = tmp_path / "a.toml"
+    with pytest.raises(ImportRefused, match="--family sdxl, but the arguments are flux"):
+        import_kohya({**base, "network_module": "networks.lora_flux"}, path, family="sdxl")
+    job = import_kohya({**base, "unet_lr": 1e-4, "learning_rate": 1e-5,
+                        "network_args": ["conv_dim=8", "rank_dropout = 0.1"]}, path).job["config"]["process"][0]
+    assert job["train"]["lr"] == 1e-4 and job["train"]["text_encoder_lr"] == 1e-5
+    assert job["network"]["conv"] == 8 and job["network"]["conv_alpha"] == 1.0 and "rank_dropout" not in job["network"]
+    assert [d.get("is_reg", False) for d in job["datasets"]] == [False, True]
+    assert job["datasets"][1]["default_caption"] == "person"
+    with pytest.raises(ImportRefused, match="optimizer_type Lion"):
+        import_kohya({**base, "use_lion_optimizer": True}, path)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat --g 3.5 --l 1.0\n")
+    flux = import_kohya({**base, "network_module": "networks.lora_flux", "sample_prompts": str(prompts)}, path)
+    assert flux.job["config"]["process"][0]["sample"]["guidance_scale"] == 3.5

@@ -22,8 +22,7 @@ MODULES = {"networks.lora": "sd", "networks.dylora": None, "networks.lora_fa": N
            "networks.lora_sd3": "Stable Diffusion 3", "networks.lora_lumina": "Lumina 2",
            "networks.lora_hunyuan_image": "HunyuanImage", "networks.lora_anima": "Anima"}
 #: arguments a dataset config's subsets inherit, and what each becomes
-INHERITED = {"train_data_dir": "datasets[].folder_path", "reg_data_dir": "datasets[].folder_path",
-             "train_batch_size": "train.batch_size", "resolution": "datasets[].resolution",
+INHERITED = {"train_batch_size": "train.batch_size", "resolution": "datasets[].resolution",
              "caption_extension": "datasets[].caption_ext", "shuffle_caption": "datasets[].shuffle_tokens",
              "keep_tokens": "datasets[].keep_tokens", "flip_aug": "datasets[].flip_x",
              "random_crop": "datasets[].random_crop", "cache_latents": "datasets[].cache_latents",
@@ -69,7 +68,7 @@ def import_kohya(data: dict[str, Any], path: Path, family: str | None = None,
     from toolkit.config.loader import read_raw
 
     args = flat_arguments(data)
-    family = family or family_of(args)
+    family = family_of(args, fallback=family)
     name = str(args.get("output_name") or path.stem)
     out = Conversion("kohya", job={"job": "extension", "config": {"name": name, "process": [{"type": "sd_trainer"}]}})
     if datasets is None and args.get("dataset_config"):
@@ -91,9 +90,10 @@ def import_kohya(data: dict[str, Any], path: Path, family: str | None = None,
     return out
 
 
-def family_of(args: dict[str, Any]) -> str:
+def family_of(args: dict[str, Any], fallback: str | None = None) -> str:
     """sd15, sdxl or flux from the arguments (kohya's configs name no model family): explicit flags, the network
-    module, arguments only one script has, the base checkpoint's own keys, then its name."""
+    module, arguments only one script has, the base checkpoint's own keys, then its name; `fallback` (`--family`)
+    only where none of these tells, and never against them."""
     if args.get("model_type") == "chroma":
         raise ImportRefused("model_type chroma: Chroma has no difftune family")
     if args.get("v2"):
@@ -104,18 +104,20 @@ def family_of(args: dict[str, Any]) -> str:
         raise ImportRefused(f"network_module {module}: {kind or 'this network'} has no difftune equivalent")
     if any(key in args for key in SD3_KEYS):
         raise ImportRefused("arguments of sd3_train_network.py: Stable Diffusion 3 has no difftune family")
+    found = None
     if kind == "flux" or any(key in args for key in FLUX_KEYS):
-        return "flux"
-    if "cache_text_encoder_outputs" in args or "cache_text_encoder_outputs_to_disk" in args:
-        return "sdxl"
-    from_file = checkpoint_family(str(args.get("pretrained_model_name_or_path", "")))
-    if from_file:
-        return from_file
-    name = str(args.get("pretrained_model_name_or_path", ""))
-    if SDXL_NAMES.search(name):
-        return "sdxl"
-    if SD15_NAMES.search(name):
-        return "sd15"
+        found = "flux"
+    elif "cache_text_encoder_outputs" in args or "cache_text_encoder_outputs_to_disk" in args:
+        found = "sdxl"
+    else:
+        found = checkpoint_family(str(args.get("pretrained_model_name_or_path", "")))
+    if found is None:
+        name = Path(str(args.get("pretrained_model_name_or_path", ""))).name
+        found = "sdxl" if SDXL_NAMES.search(name) else "sd15" if SD15_NAMES.search(name) else None
+    if found and fallback and found != fallback:
+        raise ImportRefused(f"--family {fallback}, but the arguments are {found}'s")
+    if found or fallback:
+        return found or fallback
     raise ImportRefused("cannot tell SD 1.x from SDXL from these arguments: pass --family sd15 or --family sdxl")
 
 
@@ -135,6 +137,30 @@ def checkpoint_family(model: str) -> str | None:
         if any(k.startswith("cond_stage_model.transformer") for k in keys):
             return "sd15"
     return None
+
+
+def folder_subsets(folder: Any, main: dict, is_reg: bool) -> list[tuple[dict, dict]]:
+    """kohya's DreamBooth folders without a dataset config: each `<repeats>_<class tokens>` subfolder a subset."""
+    root = Path(str(folder)).expanduser()
+    found = []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        repeats, _, tokens = child.name.partition("_")
+        if child.is_dir() and repeats.isdigit():
+            found.append(({"image_dir": str(child), "num_repeats": int(repeats), "class_tokens": tokens,
+                           "is_reg": is_reg}, main))
+    return found
+
+
+#: subset and dataset keys the import reads (the others get a dropped row and a check)
+DATASET_KEYS = {"image_dir", "num_repeats", "is_reg", "class_tokens", "caption_extension", "keep_tokens",
+                "shuffle_caption", "flip_aug", "random_crop", "cache_latents", "cache_latents_to_disk",
+                "caption_dropout_rate", "caption_tag_dropout_rate", "resolution", "enable_bucket", "batch_size",
+                "metadata_file", "caption_prefix", "caption_suffix", "color_aug", "face_crop_aug_range",
+                "alpha_mask", "conditioning_data_dir", "keep_tokens_separator", "secondary_separator",
+                "enable_wildcard", "token_warmup_min", "token_warmup_step", "caption_dropout_every_n_epochs"}
+#: dataset keys whose default means what difftune does
+DATASET_DEFAULTS = {"caption_separator": ",", "network_multiplier": 1.0, "bucket_no_upscale": False,
+                    "min_bucket_reso": 256, "max_bucket_reso": 1024, "bucket_reso_steps": 64, "validation_split": 0.0}
 
 
 class KohyaJob:
@@ -221,19 +247,31 @@ class KohyaJob:
             if kind is None:
                 raise ImportRefused(f"network_args algo={algo}: no difftune equivalent (lora, locon, loha, lokr)")
         out.mapped("network_module", "network.type", kind)
-        self.value_or_default("network_dim", "network.linear", 4, int)
-        self.value_or_default("network_alpha", "network.linear_alpha", 1.0, float)
+        rank = self.value_or_default("network_dim", "network.linear", 4, int)
+        alpha = self.value_or_default("network_alpha", "network.linear_alpha", 1.0, float)
+        if module == "lycoris.kohya" and self.facts.conv_layers:
+            args.setdefault("conv_dim", rank)
+            args.setdefault("conv_alpha", alpha)
+        elif "conv_dim" in args and "conv_alpha" not in args:
+            out.assumed("network.conv_alpha", 1.0, "kohya's default conv_alpha")
         for key, target, convert in (("conv_dim", "network.conv", int), ("conv_alpha", "network.conv_alpha", float),
                                      ("rank_dropout", "network.rank_dropout", float),
                                      ("module_dropout", "network.module_dropout", float)):
             if key in args:
                 out.mapped(f"network_args {key}", target, convert(args.pop(key)))
         blocks = args.pop("train_blocks", "all")
-        if blocks == "single":
+        if blocks != "all" and module != "networks.lora_flux":
+            out.dropped("network_args train_blocks", f"{module} ignores it")
+        elif blocks == "single":
             out.mapped("network_args train_blocks", "network.only_if_contains", ["single_transformer_blocks"])
         elif blocks == "double":
             out.mapped("network_args train_blocks", "network.ignore_if_contains", ["single_transformer_blocks"])
         for key, value in args.items():
+            if key != key.strip():
+                out.dropped(f"network_args {key!r}", "kohya ignores it too (spaces around its name)")
+                out.check(f"network_args {key!r}: kohya does not strip spaces, so it ignored this setting; so does "
+                          "the import")
+                continue
             out.dropped(f"network_args {key}", "no difftune equivalent")
             out.check(f"network_args {key}={value}: no difftune equivalent; dropped")
         dropout = self.take("network_dropout")
@@ -247,7 +285,10 @@ class KohyaJob:
                                 "equivalent")
         unet_only = bool(self.take("network_train_unet_only", False))
         text_lr = self.take("text_encoder_lr")
-        text_lr = text_lr[0] if isinstance(text_lr, list) else text_lr
+        if isinstance(text_lr, list):
+            if len(set(text_lr)) > 1:
+                out.check(f"text_encoder_lr {text_lr}: difftune trains both text encoders at one LR, the first")
+            text_lr = text_lr[0] if text_lr else MISSING
         trains_text = not unet_only and text_lr != 0
         if trains_text and self.facts.text_encoder_lora:
             out.assumed("network.train_text_encoder", True, "kohya trains the text encoder's LoRA unless "
@@ -268,11 +309,11 @@ class KohyaJob:
         listed = self.take("network_args", []) or []
         parsed = {}
         for item in listed:
-            key, _, value = str(item).partition("=")
+            key, _, value = str(item).partition("=")  # kohya splits on "=" and strips nothing
             try:
-                parsed[key.strip()] = ast.literal_eval(value.strip())
+                parsed[key] = ast.literal_eval(value)
             except (ValueError, SyntaxError):
-                parsed[key.strip()] = value.strip()
+                parsed[key] = value
         return parsed
 
     def subsets(self) -> list[tuple[dict, dict]]:
@@ -282,17 +323,12 @@ class KohyaJob:
             folder = self.take("train_data_dir")
             if folder in (MISSING, None):
                 raise ImportRefused("no dataset_config and no train_data_dir: nothing to train on")
-            root = Path(str(folder)).expanduser()
-            found = []
-            for child in sorted(root.iterdir()) if root.is_dir() else []:
-                repeats, _, tokens = child.name.partition("_")
-                if child.is_dir() and repeats.isdigit():
-                    found.append(({"image_dir": str(child), "num_repeats": int(repeats), "class_tokens": tokens},
-                                  main))
+            found = folder_subsets(folder, main, is_reg=False)
             if not found:
                 raise ImportRefused(f"train_data_dir {folder}: no <repeats>_<name> folders found here; give the "
                                     "dataset_config")
-            return found
+            reg = self.take("reg_data_dir")
+            return found + (folder_subsets(reg, main, is_reg=True) if reg not in (MISSING, None) else [])
         general = self.datasets_file.get("general", {}) or {}
         out = []
         for dataset in self.datasets_file.get("datasets", []) or []:
@@ -362,6 +398,8 @@ class KohyaJob:
                 if value(key):
                     out.dropped(f"subset {i} {key}", "no difftune equivalent")
                     out.check(f"{at}: {key} = {value(key)!r} has no difftune equivalent; dropped")
+        if self.datasets_file is not None:
+            self.unused_dataset_keys()
         size = max(batch_sizes)
         out.put("train.batch_size", size)
         out.rows.append(Row("train_batch_size / batch_size", f"-> train.batch_size = {size}"))
@@ -372,12 +410,28 @@ class KohyaJob:
                 self.take(key)
                 out.rows.append(Row(key, f"-> {target} = (every subset's that does not set its own)"))
 
+    def unused_dataset_keys(self) -> None:
+        """Every key of the dataset config the import does not read: a dropped row, and a check where its value is
+        not kohya's default."""
+        tables = [("general", self.datasets_file.get("general") or {})]
+        for d, dataset in enumerate(self.datasets_file.get("datasets") or []):
+            tables.append((f"datasets[{d}]", {k: v for k, v in dataset.items() if k != "subsets"}))
+            tables += [(f"datasets[{d}].subsets[{i}]", sub) for i, sub in enumerate(dataset.get("subsets") or [])]
+        for where, table in tables:
+            for key, value in table.items():
+                if key in DATASET_KEYS:
+                    continue
+                self.out.dropped(f"dataset config {where}.{key}", "no difftune equivalent")
+                if DATASET_DEFAULTS.get(key, object()) != value:
+                    self.out.check(f"dataset config {where}.{key} = {value!r}: no difftune equivalent; dropped")
+
     def train(self) -> None:
         out = self.out
         epochs = self.take("max_train_epochs")
         if epochs not in (MISSING, None):
             out.mapped("max_train_epochs", "train.epochs", int(epochs))
-            self.take("max_train_steps")
+            if self.take("max_train_steps") is not MISSING:
+                out.dropped("max_train_steps", "max_train_epochs wins over it in kohya")
         else:
             self.value_or_default("max_train_steps", "train.steps", 1600, int)
         self.same("gradient_accumulation_steps", "train.gradient_accumulation", int)
@@ -386,9 +440,13 @@ class KohyaJob:
             self.value_or_default("learning_rate", "train.lr", 2e-6, float)
         else:
             out.mapped("unet_lr", "train.lr", float(lr), "the denoiser's LR")
-            if self.src.has("learning_rate"):
-                out.dropped("learning_rate", "unet_lr wins over it")
-                self.take("learning_rate")
+            base = float(self.take("learning_rate", 2e-6) or 2e-6)
+            text = out.process.get("network", {}).get("train_text_encoder")
+            if text and "text_encoder_lr" not in out.process.get("train", {}):
+                out.mapped("learning_rate", "train.text_encoder_lr", base, "kohya's text encoders train at "
+                                                                           "learning_rate when unet_lr is set")
+            elif self.src.has("learning_rate"):
+                out.dropped("learning_rate", "unet_lr and text_encoder_lr set both LRs")
         self.optimizer()
         self.schedule()
         self.same("max_grad_norm", "train.max_grad_norm", float)
@@ -401,15 +459,20 @@ class KohyaJob:
         self.same("noise_offset", "train.noise_offset", float)
         self.same("max_data_loader_n_workers", "train.num_workers", int)
         self.same("persistent_data_loader_workers", "train.persistent_workers", bool)
-        if self.take("cache_text_encoder_outputs", False) or self.take("cache_text_encoder_outputs_to_disk", False):
-            out.mapped("cache_text_encoder_outputs", "train.cache_text_embeddings", True)
+        for key in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk"):
+            if self.take(key, False):
+                out.mapped(key, "train.cache_text_embeddings", True)
         self.objective()
 
     def optimizer(self) -> None:
         out = self.out
         name = str(self.take("optimizer_type", "AdamW") or "AdamW")
+        if self.src.has("use_8bit_adam"):
+            out.rows.append(Row("use_8bit_adam", "-> train.optimizer (kohya's old spelling of AdamW8bit)"))
         if self.take("use_8bit_adam", False):
             name = "AdamW8bit"
+        if self.take("use_lion_optimizer", False):
+            name = "Lion"
         key = name.split(".")[-1].lower()
         if key not in OPTIMIZERS:
             raise ImportRefused(f"optimizer_type {name}: no difftune equivalent ({', '.join(sorted(OPTIMIZERS))})")
@@ -429,7 +492,7 @@ class KohyaJob:
 
     def schedule(self) -> None:
         out = self.out
-        name = str(self.take("lr_scheduler", "constant"))
+        name = str(self.take("lr_scheduler", "constant") or "constant")
         if name == "adafactor":
             name = "constant"
         if name not in SCHEDULES:
@@ -456,21 +519,30 @@ class KohyaJob:
 
     def objective(self) -> None:
         out = self.out
-        low, high = self.take("min_timestep", 0), self.take("max_timestep", 1000)
+        low, high = self.take("min_timestep", 0) or 0, self.take("max_timestep", 1000) or 1000
         if (low, high) != (0, 1000) and self.facts.ddpm_noise:
-            out.mapped("min_timestep / max_timestep", "train.timestep_range", [int(low) / 1000, int(high) / 1000])
+            for key in ("min_timestep", "max_timestep"):
+                if self.src.has(key):
+                    out.mapped(key, "train.timestep_range", [int(low) / 1000, int(high) / 1000])
+        else:
+            for key in ("min_timestep", "max_timestep"):
+                if self.src.has(key):
+                    out.dropped(key, "the whole range" if self.facts.ddpm_noise else "kohya ignores it for FLUX.1")
         gamma = self.take("min_snr_gamma")
         if gamma not in (MISSING, None):
             if self.facts.ddpm_noise:
                 out.mapped("min_snr_gamma", "train.min_snr_gamma", float(gamma))
             else:
                 out.dropped("min_snr_gamma", "kohya ignores it for FLUX.1")
-        loss = str(self.take("loss_type", "l2"))
+        loss = str(self.take("loss_type", "l2") or "l2")
         if loss in ("l2", "l1"):
             out.put("train.loss_type", "mse" if loss == "l2" else "mae")
             out.rows.append(Row("loss_type", f"-> train.loss_type = '{'mse' if loss == 'l2' else 'mae'}'"))
         elif loss == "huber":
-            c = float(self.take("huber_c", 0.1)) * float(self.take("huber_scale", 1.0))
+            c = float(self.take("huber_c", 0.1) or 0.1) * float(self.take("huber_scale", 1.0) or 1.0)
+            for key in ("huber_c", "huber_scale"):
+                if self.src.has(key):
+                    out.rows.append(Row(key, f"-> train.huber_c = {c}"))
             out.put("train.loss_type", "pseudo_huber")
             out.put("train.huber_c", c)
             out.rows.append(Row("loss_type", f"-> train.loss_type = 'pseudo_huber', huber_c = {c}"))
@@ -484,24 +556,33 @@ class KohyaJob:
 
     def flux_timesteps(self) -> None:
         out = self.out
-        sampling = str(self.take("timestep_sampling", "sigma"))
-        shift = float(self.take("discrete_flow_shift", 3.0))
-        scheme = str(self.take("weighting_scheme", "uniform"))
-        scale = float(self.take("sigmoid_scale", 1.0))
+        sampling = str(self.take("timestep_sampling", "sigma") or "sigma")
+        shift = float(self.take("discrete_flow_shift", 3.0) or 3.0)
+        scheme = str(self.take("weighting_scheme", "uniform") or "uniform")
+        scale = float(self.take("sigmoid_scale", 1.0) or 1.0)
+        for key in ("discrete_flow_shift", "weighting_scheme", "sigmoid_scale"):
+            if self.src.has(key):
+                out.rows.append(Row(key, "-> train.timestep_type / timestep_params (with timestep_sampling)"))
         if sampling == "uniform":
             out.mapped("timestep_sampling", "train.timestep_type", "uniform")
         elif sampling == "sigmoid":
             out.mapped("timestep_sampling", "train.timestep_type", "sigmoid")
             out.put("train.timestep_params", {"std": scale})
         elif sampling == "sigma" and scheme in ("uniform", "none"):
-            out.mapped("timestep_sampling", "train.timestep_type", "shift", f"kohya's default: shift {shift}")
+            if self.src.has("timestep_sampling"):
+                out.mapped("timestep_sampling", "train.timestep_type", "shift", f"shift {shift}")
+            else:
+                out.assumed("train.timestep_type", "shift", f"kohya's default timestep_sampling sigma: shift {shift}")
             out.put("train.timestep_params", {"shift": shift})
         else:
             out.mapped("timestep_sampling", "train.timestep_type", "shift")
             out.put("train.timestep_params", {"shift": shift})
             out.check(f"timestep_sampling {sampling} (weighting {scheme}): kohya draws sigmoid-then-shift or weighted "
                       "timesteps; imported as the nearest, shift")
-        prediction = str(self.take("model_prediction_type", "sigma_scaled"))
+        prediction = str(self.take("model_prediction_type", "sigma_scaled") or "sigma_scaled")
+        if self.src.has("model_prediction_type"):
+            out.rows.append(Row("model_prediction_type", "-> (difftune trains raw velocity)" if prediction == "raw"
+                                else "dropped: another objective, see the check"))
         if prediction != "raw":
             out.check(f"model_prediction_type {prediction}: a different training objective from difftune's (kohya's "
                       "'raw'); its docs recommend raw")
@@ -554,12 +635,17 @@ class KohyaJob:
                 key, _, value = flag.partition(" ")
                 options.setdefault(key, value.strip())
         out.mapped("sample_prompts", "sample.prompts", prompts)
-        for flag, target, convert in (("w", "width", int), ("h", "height", int), ("d", "seed", int),
-                                      ("s", "sample_steps", int), ("l", "guidance_scale", float), ("n", "neg", str)):
+        # FLUX.1: --g is the guidance embedding's value (difftune's sample.guidance_scale), --l a CFG scale
+        guidance = "g" if self.facts.guidance_embedding else "l"
+        known = {"w": ("width", int), "h": ("height", int), "d": ("seed", int), "s": ("sample_steps", int),
+                 guidance: ("guidance_scale", float), "n": ("neg", str)}
+        for flag, (target, convert) in known.items():
             if flag in options and (flag != "n" or self.facts.negative_prompt):
                 out.put(f"sample.{target}", convert(options[flag]))
         if options:
-            out.check("sample prompts' --options: the first value of each is used for every prompt")
+            unused = sorted(set(options) - set(known))
+            out.check("sample prompts' --options: the first value of each is used for every prompt"
+                      + (f"; not imported: {', '.join('--' + f for f in unused)}" if unused else ""))
         every = self.take("sample_every_n_steps")
         if every not in (MISSING, None):
             out.mapped("sample_every_n_steps", "sample.sample_every", int(every))
