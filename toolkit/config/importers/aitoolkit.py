@@ -776,7 +776,10 @@ class AiToolkitJob:
                 self.ignored(f"sample.{key}", "this model renders images")
         at_start = not (self.take("train.skip_first_sample", False) or False)
         out.put("sample.sample_at_start", at_start)
-        out.rows.append(Row("train.skip_first_sample", f"-> sample.sample_at_start = {at_start}"))
+        said = "train.skip_first_sample" if self.src.has("train.skip_first_sample") else "(default)"
+        out.rows.append(Row(said, f"-> sample.sample_at_start = {at_start}"
+                            + ("" if self.src.has("train.skip_first_sample") else "  (ai-toolkit samples before "
+                                                                                   "training unless told not to)")))
 
     def logging(self) -> None:
         every = self.take("logging.log_every")

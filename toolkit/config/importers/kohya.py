@@ -172,6 +172,10 @@ class KohyaJob:
     def take(self, key: str, default: Any = MISSING) -> Any:
         return self.src.take(key, default)
 
+    def named(self, key: str) -> str:
+        """A row's source: the argument, or `(default)` where the file leaves it to kohya's default."""
+        return key if self.src.has(key) else "(default)"
+
     def same(self, key: str, target: str, convert=None) -> Any:
         value = self.take(key)
         if value is MISSING or value is None:
@@ -205,7 +209,7 @@ class KohyaJob:
         precision = PRECISION.get(str(self.take("mixed_precision", "no")), "fp32")
         out.put("train.dtype", precision)
         out.put("model.dtype", precision)
-        out.rows.append(Row("mixed_precision", f"-> train.dtype, model.dtype = '{precision}'  (kohya holds the "
+        out.rows.append(Row(self.named("mixed_precision"), f"-> train.dtype, model.dtype = '{precision}'  (kohya holds the "
                                                "frozen base in it too)"))
         for key in ("full_fp16", "full_bf16"):
             if self.take(key, False):
@@ -594,14 +598,15 @@ class KohyaJob:
             out.rows.append(Row("output_name", f"-> config.name = {out.job['config']['name']!r}"))
         dtype = str(self.take("save_precision", "float") or "float")
         out.put("save.dtype", SAVE_DTYPES.get(dtype, "float32"))
-        out.rows.append(Row("save_precision", f"-> save.dtype = {SAVE_DTYPES.get(dtype, 'float32')!r}"))
+        out.rows.append(Row(self.named("save_precision"), f"-> save.dtype = {SAVE_DTYPES.get(dtype, 'float32')!r}"))
         every = self.take("save_every_n_steps")
         out.put("save.save_every", int(every) if every not in (MISSING, None) else 0)
-        out.rows.append(Row("save_every_n_steps", f"-> save.save_every = {out.process['save']['save_every']}"))
+        out.rows.append(Row(self.named("save_every_n_steps"),
+                            f"-> save.save_every = {out.process['save']['save_every']}"))
         last = self.take("save_last_n_steps")
         keep = int(last) // int(every) + 1 if last not in (MISSING, None) and every not in (MISSING, None) else 100
         out.put("save.max_step_saves_to_keep", keep)
-        out.rows.append(Row("save_last_n_steps", f"-> save.max_step_saves_to_keep = {keep}"))
+        out.rows.append(Row(self.named("save_last_n_steps"), f"-> save.max_step_saves_to_keep = {keep}"))
         for key in ("save_every_n_epochs", "sample_every_n_epochs"):
             if self.take(key) not in (MISSING, None):
                 out.dropped(key, "difftune counts updates")
