@@ -35,7 +35,7 @@ from toolkit.run.accelerator import RunAccelerator
 from toolkit.run.checkpoint import Checkpoints, TrainedParts
 from toolkit.run.folder import RunFolder
 from toolkit.run.monitor import Monitor, UpdateValues
-from toolkit.run.sampling import Sampler, SampleRenderer
+from toolkit.run.sampling import Sampler, SampleRenderer, cuda_devices
 from toolkit.run.signals import GracefulStop
 from toolkit.train.ema import LoraEMA
 from toolkit.train.lr_schedulers import build_lr_scheduler
@@ -49,7 +49,8 @@ from toolkit.train.optimizers import (
     update_rms,
 )
 from toolkit.train.plan import Position, TrainingPlan, accumulation_window
-from toolkit.train.validation import HeldOut, Validation, in_eval_mode, read_held_out
+from toolkit.train.validation import HeldOut, Validation, read_held_out
+from toolkit.train.weights import in_eval_mode
 
 log = logging.getLogger("difftune")
 
@@ -427,9 +428,8 @@ class BaseSDTrainProcess(BaseProcess):
         """The validation figures of the current weights (schedule-free: its averaged weights), on every process
         together; the trained modules in eval mode, the global RNG untouched, not counted as training time."""
         module = self.adapter.trainable_module()  # outside DDP and torch.compile; accelerate's autocast is on it
-        devices = [self.accelerator.device.index or 0] if self.accelerator.device.type == "cuda" else []
         with (self.monitor.throughput.paused(), evaluation_weights(self.optimizer), in_eval_mode(self.trained_modules),
-              torch.random.fork_rng(devices=devices)):
+              torch.random.fork_rng(devices=cuda_devices(self.accelerator.device))):
             return self.validation.evaluate(module, self.accelerator)
 
     def sample_weights(self):

@@ -23,21 +23,15 @@ def path_problems(process: BaseModel) -> list[str]:
     model = getattr(process, "model", None)
     facts = getattr(model, "facts", None)  # the family's FamilyFacts (a class attribute of its config)
     video = bool(facts is not None and facts.video)
+    family = getattr(facts, "title", "")
     for index, dataset in enumerate(getattr(process, "datasets", None) or []):
-        folder = Path(dataset.folder_path).expanduser()
-        if not folder.is_dir():
-            problems.append(f"datasets[{index}].folder_path: folder not found: {dataset.folder_path}")
-        elif not sample_files(folder, video):
-            kinds = "images or clips" if video else "images"
-            problem = (f"datasets[{index}].folder_path: no {kinds} ({', '.join(sample_extensions(video))}) in "
-                       f"{dataset.folder_path}")
-            clips = [] if video else clip_files(folder)
-            if clips:
-                family = getattr(facts, "title", "") or "this model family"
-                problem += f" (its {len(clips)} clip file(s) are not used: {family} trains on images)"
-            problems.append(problem)
+        problems.append(sample_folder_problem(f"datasets[{index}].folder_path", dataset.folder_path, video, family))
         if dataset.mask_path is not None and not Path(dataset.mask_path).expanduser().is_dir():
             problems.append(f"datasets[{index}].mask_path: folder not found: {dataset.mask_path}")
+    held_out = getattr(getattr(process, "validation", None), "folder_path", None)
+    if held_out:
+        problems.append(sample_folder_problem("validation.folder_path", held_out, video, family))
+    problems = [problem for problem in problems if problem]
     sections = [("model", model)] + [(f"model.{name}", getattr(model, name)) for name in ("sampling",)
                                       if isinstance(getattr(model, name, None), BaseModel)]
     for prefix, section in sections:
@@ -48,20 +42,25 @@ def path_problems(process: BaseModel) -> list[str]:
                     normalize_path(value, f"{prefix}.{key}")
                 except PathNotFound as err:
                     problems.append(str(err))
-    validation = getattr(process, "validation", None)
-    held_out = getattr(validation, "folder_path", None)
-    if held_out:
-        folder = Path(held_out).expanduser()
-        if not folder.is_dir():
-            problems.append(f"validation.folder_path: folder not found: {held_out}")
-        elif not sample_files(folder, video):
-            problems.append(f"validation.folder_path: no {'images or clips' if video else 'images'} "
-                            f"({', '.join(sample_extensions(video))}) in {held_out}")
     network = getattr(process, "network", None)
     lora = getattr(network, "pretrained_lora_path", None)
     if lora and not Path(lora).expanduser().exists():  # a file, or a peft adapter folder
         problems.append(f"network.pretrained_lora_path: file not found: {lora}")
     return problems
+
+
+def sample_folder_problem(key: str, value: str, video: bool, family: str) -> str | None:
+    """Why the folder `key` names cannot give samples (missing, or without images, or clips for a video family)."""
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        return f"{key}: folder not found: {value}"
+    if sample_files(folder, video):
+        return None
+    problem = f"{key}: no {'images or clips' if video else 'images'} ({', '.join(sample_extensions(video))}) in {value}"
+    clips = [] if video else clip_files(folder)
+    if clips:
+        problem += f" (its {len(clips)} clip file(s) are not used: {family or 'this model family'} trains on images)"
+    return problem
 
 
 def written_folders(process: BaseModel) -> list[tuple[str, Path]]:

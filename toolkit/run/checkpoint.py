@@ -328,13 +328,13 @@ class Checkpoints:
         parts, components = self.parts, self.parts.in_checkpoint
         lora_file = folder / LORA_FILE
         saved_lora = load_safetensors(lora_file, lambda path: read_components_file(path, components))
-        problems = compare_lora_state(components_state_dict(components, torch.float32), saved_lora)
+        expected = components_state_dict(components, torch.float32)
+        problems = compare_lora_state(expected, saved_lora)
         saved_optimizer = load_torch(folder / OPTIMIZER_FILE)
         problems += [f"{OPTIMIZER_FILE}: {problem}" for problem in optimizer_problems(saved_optimizer, parts.optimizer)]
         saved_ema = None
         if parts.ema is not None and (folder / EMA_FILE).is_file():
             saved_ema = load_safetensors(folder / EMA_FILE, lambda path: read_components_file(path, components))
-            expected = components_state_dict(components, torch.float32)
             problems += [f"{EMA_FILE}: {problem}" for problem in compare_lora_state(expected, saved_ema)]
         if problems:
             raise CheckpointError(f"checkpoint {folder} does not match the current config: " + "; ".join(problems))

@@ -19,6 +19,7 @@ from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter
 from toolkit.run.video import write_video
+from toolkit.train.weights import in_eval_mode
 
 
 class SampleRenderer:
@@ -158,18 +159,14 @@ class Sampler:
         if not (self.enabled and self.is_main):
             return []
         device = self.placement.device
-        for module in self.trained_modules:
-            module.eval()
         try:
             # fork_rng: whatever a pipeline draws from the global RNG is not taken from training's stream
-            with (memory_debug("sampling", self.debug_memory), torch.random.fork_rng(devices=cuda_devices(device)),
-                  self.weights()):
+            with (in_eval_mode(self.trained_modules), memory_debug("sampling", self.debug_memory),
+                  torch.random.fork_rng(devices=cuda_devices(device)), self.weights()):
                 conditioning = self.conditioning()
                 with modules_on(self.modules_for(conditioning), device, while_moving=self.mirrors_detached):
                     return self.renderer.render(self.adapter, step, progress, conditioning)
         finally:
-            for module in self.trained_modules:
-                module.train()
             flush()
 
     def conditioning(self) -> list[dict | None]:

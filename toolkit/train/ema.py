@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from toolkit.config.sections import EMAConfig
+from toolkit.train.weights import weights_restored
 
 log = logging.getLogger("difftune")
 
@@ -61,26 +62,16 @@ class LoraEMA:
         again after it, exactly."""
         if self.average is None:
             raise RuntimeError("the EMA has not started yet (train.ema.start_step is ahead)")
-        kept = [param.detach().clone() for param in self.params]
-        try:
+        with weights_restored(self.params):
             with torch.no_grad():
                 for param, value in zip(self.params, self.average):
                     param.copy_(value)
             yield
-        finally:
-            with torch.no_grad():
-                for param, value in zip(self.params, kept):
-                    param.copy_(value)
 
     @contextmanager
     def loading(self) -> Iterator[None]:
         """Inside the block, whatever is loaded into the trained parameters becomes the average; they hold their own
         values again after it (a resume reads the checkpoint's average with the code that reads its LoRA)."""
-        kept = [param.detach().clone() for param in self.params]
-        try:
+        with weights_restored(self.params):
             yield
             self.capture()
-        finally:
-            with torch.no_grad():
-                for param, value in zip(self.params, kept):
-                    param.copy_(value)

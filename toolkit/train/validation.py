@@ -17,8 +17,6 @@ changes only when the weights do.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -214,14 +212,3 @@ class Validation:
             table = accelerator.reduce(table.to(accelerator.device), reduction="sum").cpu()
         return self.figures(table)
 
-
-@contextmanager
-def in_eval_mode(modules: list[torch.nn.Module]) -> Iterator[None]:
-    """The modules in eval mode (no dropout) inside the block, in train mode after it."""
-    for module in modules:
-        module.eval()
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.train()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Source
+from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Rules, Source
 from toolkit.models.registry import config_class, family_facts
 
 #: the process types that train a LoRA the same way (the UI's type only adds its database hooks)
@@ -135,11 +135,12 @@ def family_of(source: Source) -> tuple[str, str]:
                         "wuerstchen")
 
 
-class AiToolkitJob:
+class AiToolkitJob(Rules):
     """One process's keys, section by section, into `out`."""
 
     def __init__(self, source: Source, out: Conversion, family: str, arch: str):
-        self.src, self.out, self.family, self.arch = source, out, family, arch
+        super().__init__(source, out)
+        self.family, self.arch = family, arch
         self.facts = family_facts(family)
         #: a flow-matching family: ai-toolkit builds its LoRA with alpha = rank (ignoring `linear_alpha`) and reads
         #: `timestep_type` for it (with `noise_scheduler: flowmatch`); the DDPM UNets it trains the other way
@@ -148,9 +149,6 @@ class AiToolkitJob:
 
     # ---- helpers -----------------------------------------------------------------------------------------
 
-    def take(self, path: str, default: Any = MISSING) -> Any:
-        return self.src.take(path, default)
-
     def same(self, path: str, target: str | None = None, convert=None, note: str = "") -> Any:
         """`path` to `target` (default: the same key) unchanged or through `convert`, when the file has it."""
         value = self.take(path)
@@ -158,15 +156,6 @@ class AiToolkitJob:
             return MISSING
         value = convert(value) if convert else value
         self.out.mapped(path, target or path, value, note)
-        return value
-
-    def value_or_default(self, path: str, target: str, default: Any, convert=None) -> Any:
-        """`path` to `target`; where the file is silent, ai-toolkit's `default` written out (it differs from
-        difftune's)."""
-        value = self.same(path, target, convert)
-        if value is MISSING:
-            value = convert(default) if convert else default
-            self.out.assumed(target, value, f"ai-toolkit's default for {path}")
         return value
 
     def ignored(self, path: str, why: str = "ai-toolkit ignores it for this model") -> None:
@@ -789,10 +778,7 @@ class AiToolkitJob:
     def rest(self) -> None:
         """Every key no rule read: dropped, with the reason where it is known; every key a rule read without a row
         of its own: said to need nothing written."""
-        named = {row.source for row in self.out.rows}
-        for path in sorted(self.src.read - named):
-            self.out.rows.append(Row(path, f"-> nothing to write: {self.src.values[path]!r} is difftune's behaviour "
-                                           "too"))
+        self.read_without_rows()
         for path in self.src.unread():
             general = path.split("]", 1)[0].split("[")[0] + "[]" + path.split("]", 1)[1] if "[" in path else path
             reason = UI_ONLY.get(general) or UI_ONLY.get(path)

@@ -127,3 +127,35 @@ class Conversion:
 def show(value: Any) -> str:
     text = repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+class Rules:
+    """What each trainer's rules share: reading the source (`take`), a value or the trainer's own default written
+    out (`value_or_default`, through the subclass's `same`), and rows for keys a rule read but wrote nothing for."""
+
+    def __init__(self, source: Source, out: Conversion):
+        self.src, self.out = source, out
+
+    def take(self, key: str, default: Any = MISSING) -> Any:
+        return self.src.take(key, default)
+
+    def same(self, key: str, target: str, convert=None) -> Any:
+        raise NotImplementedError
+
+    def value_or_default(self, key: str, target: str, default: Any, convert=None) -> Any:
+        """`key` to `target`; where the file is silent, the source trainer's `default` written out (it differs from
+        difftune's)."""
+        value = self.same(key, target, convert)
+        if value is MISSING:
+            value = convert(default) if convert else default
+            self.out.assumed(target, value, f"{self.out.trainer}'s default for {key}")
+        return value
+
+    def read_without_rows(self) -> None:
+        """A row for every key a rule read without writing one: nothing to write (keys whose entries have rows of
+        their own, `network_args conv_dim`, are covered by those)."""
+        named = {row.source for row in self.out.rows}
+        for key in sorted(self.src.read - named):
+            if not any(source.startswith(key + " ") for source in named):
+                self.out.rows.append(Row(key, f"-> nothing to write: {self.src.values[key]!r} is difftune's "
+                                              "behaviour too"))

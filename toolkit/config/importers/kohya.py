@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Source
+from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Rules, Source
 from toolkit.models.registry import config_class, family_facts
 
 #: network modules by the family they train (None: another script's family, refused by name)
@@ -163,32 +163,26 @@ DATASET_DEFAULTS = {"caption_separator": ",", "network_multiplier": 1.0, "bucket
                     "min_bucket_reso": 256, "max_bucket_reso": 1024, "bucket_reso_steps": 64, "validation_split": 0.0}
 
 
-class KohyaJob:
+class KohyaJob(Rules):
+    """One configuration's arguments, group by group, into `out`."""
+
     def __init__(self, source: Source, out: Conversion, family: str, datasets: dict | None, path: Path):
-        self.src, self.out, self.family, self.datasets_file, self.path = source, out, family, datasets, path
+        super().__init__(source, out)
+        self.family, self.datasets_file, self.path = family, datasets, path
         self.facts = family_facts(family)
         self.model_keys = set(config_class(family).model_fields)
-
-    def take(self, key: str, default: Any = MISSING) -> Any:
-        return self.src.take(key, default)
 
     def named(self, key: str) -> str:
         """A row's source: the argument, or `(default)` where the file leaves it to kohya's default."""
         return key if self.src.has(key) else "(default)"
 
     def same(self, key: str, target: str, convert=None) -> Any:
+        """`key` to `target` (through `convert`) when the file gives it a value (kohya reads null as unset)."""
         value = self.take(key)
         if value is MISSING or value is None:
             return MISSING
         value = convert(value) if convert else value
         self.out.mapped(key, target, value)
-        return value
-
-    def value_or_default(self, key: str, target: str, default: Any, convert=None) -> Any:
-        value = self.same(key, target, convert)
-        if value is MISSING:
-            value = convert(default) if convert else default
-            self.out.assumed(target, value, f"kohya's default for {key}")
         return value
 
     def convert(self) -> None:
@@ -658,12 +652,7 @@ class KohyaJob:
             out.mapped("sample_at_first", "sample.sample_at_start", True)
 
     def rest(self) -> None:
-        named = {row.source for row in self.out.rows}
-        for key in sorted(self.src.read - named):
-            if any(source.startswith(key + " ") for source in named):
-                continue  # its entries have rows of their own (network_args ...)
-            self.out.rows.append(Row(key, f"-> nothing to write: {self.src.values[key]!r} is difftune's behaviour "
-                                          "too"))
+        self.read_without_rows()
         for key in self.src.unread():
             value = self.src.values[key]
             if key in QUIET:

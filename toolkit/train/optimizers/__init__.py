@@ -12,6 +12,7 @@ import torch
 
 from toolkit.config.sections import OptimizerSection
 from toolkit.train.optimizer_params import uses_relative_step  # noqa: F401 (re-exported)
+from toolkit.train.weights import weights_restored
 
 
 def _bitsandbytes(name: str):
@@ -137,13 +138,10 @@ def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         return
     inner = unwrapped(optimizer)
     params = [p for group in inner.param_groups for p in group["params"]]
-    kept = [p.detach().clone() for p in params]
-    inner.eval()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for param, value in zip(params, kept):
-                param.copy_(value)
-        for group in inner.param_groups:
-            group["train_mode"] = True
+    with weights_restored(params):
+        inner.eval()
+        try:
+            yield
+        finally:
+            for group in inner.param_groups:
+                group["train_mode"] = True
