@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, trainer_process, write_job
+from helpers import QUICKSTART_DATA, REPO, trainer_process, write_job
 
 from toolkit.config import docs as config_docs
-from toolkit.config.loader import ConfigError, load_config
+from toolkit.config.loader import ConfigError, check_paths, load_config
 from toolkit.config.schema import SDTrainerConfig
 
 
@@ -268,7 +268,6 @@ def test_paths_are_checked_before_any_model_loads(tmp_path, registry):
     key, all at once; hub ids and tiny presets are not paths."""
     from helpers import make_images
 
-    from toolkit.config.loader import check_paths
 
     (tmp_path / "empty").mkdir()
     images = make_images(tmp_path / "images", 1)
@@ -313,3 +312,85 @@ def test_every_example_config_passes_the_schema(example, registry):
     """What a user copies must be valid as shipped (paths are checked when a job runs, not here)."""
     config, _ = load_config(str(example), registry)
     assert config.config.process
+
+
+def problem_keys(error: ConfigError) -> list[str]:
+    """The keys an error's lines name (`  config.process[0].train.lr: ...` -> `train.lr`), in order."""
+    lines = str(error).splitlines()[1:]
+    return [line.strip().split(": ")[0].removeprefix("config.process[0].").removeprefix("config.process[0]")
+            for line in lines]
+
+
+def test_every_problem_a_file_shows_is_reported_at_once(tmp_path, registry):
+    """Type errors, unknown keys, checks across keys (in a section and across sections: family capabilities,
+    exclusive keys) and missing paths come out in one message: a bad key no longer hides the checks pydantic
+    skips once any key of a section fails, nor the paths checked after the schema."""
+    process = trainer_process(
+        tmp_path,
+        network={"linear": "four", "train_text_encoder": True},  # type error: replaced, network's checks skipped
+        datasets=[{"folder_path": str(tmp_path / "missing_images"), "resolution": [4]},  # range error + path
+                  {"folder_path": str(QUICKSTART_DATA), "mask_path": str(QUICKSTART_DATA)}],  # check within a dataset
+        train={"steps": 10, "lr_warmup_steps": 50, "lrr": 1e-4,  # warmup check (lrr only removed: checks still run)
+               "cache_text_embeddings": True,  # exclusive with network.train_text_encoder
+               "guidance_scale": 3.5},  # a capability SD 1.5 lacks
+        model={"arch": "sd15", "name_or_path": str(tmp_path / "missing_model")},
+        sample={"use_ema": True},  # across sections: no train.ema
+        validation={"every": 5},  # neither folder_path nor split
+    )
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "all", process)), registry)
+    keys = problem_keys(error.value)
+    assert str(error.value).startswith(f"{tmp_path / 'job.yaml'}: invalid config")
+    assert sorted(keys) == sorted([
+        "network.linear", "datasets[0].resolution", "train.lrr", "datasets[1].mask_path", "train",
+        "validation", "train.guidance_scale", "sample.use_ema", "network.train_text_encoder",
+        "datasets[0].folder_path", "model.name_or_path"]), str(error.value)
+    text = str(error.value)
+    assert "did you mean 'lr'" in text and "must be shorter than `steps`" in text
+    assert "cannot go with train.cache_text_embeddings" in text and "give `folder_path`" in text
+    assert text.count("network.linear") == 1  # the replaced value's own error only
+
+
+def test_a_required_key_that_does_not_parse_leaves_the_sections_that_do(tmp_path, registry):
+    """Without `model.name_or_path` (required: it cannot be set aside) the process does not parse; the sections and
+    dataset entries that do still get their checks and paths, and the checks across sections wait for the fix."""
+    process = trainer_process(
+        tmp_path, datasets=[{"resolution": [64]}, {"folder_path": str(tmp_path / "missing_images")}],
+        train={"steps": 10, "lr_warmup_steps": 50, "guidance_scale": 3.5},
+    )
+    process["model"] = {"arch": "sd15"}
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "partial", process)), registry)
+    assert sorted(problem_keys(error.value)) == sorted([
+        "model.name_or_path", "datasets[0].folder_path", "train", "datasets[1].folder_path"]), str(error.value)
+    assert "required key is missing" in str(error.value) and "folder not found" in str(error.value)
+
+
+def test_a_later_process_may_read_what_an_earlier_one_writes_even_in_an_error_report(tmp_path, registry):
+    """The paths joined to a report of other problems leave out those inside an earlier process's training folder
+    (they exist only once it ran); `check_paths` of that process, when it starts, still checks them."""
+    first = trainer_process(tmp_path, train={"steps": 2, "lrr": 1})
+    lora = tmp_path / "output" / "one" / "one.safetensors"
+    second = trainer_process(tmp_path, network={"pretrained_lora_path": str(lora)},
+                             datasets=[{"folder_path": str(tmp_path / "missing_images")}])
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "one", first, second)), registry)
+    text = str(error.value)
+    assert "config.process[0].train.lrr" in text and "config.process[1].datasets[0].folder_path" in text
+    assert "pretrained_lora_path" not in text
+
+
+def test_a_single_file_sdxl_vae_beside_a_single_file_base_needs_its_config_before_anything_loads(tmp_path, registry):
+    """Known from the file alone (the adapter used to find it while loading): reported with the paths."""
+    process = trainer_process(tmp_path)
+    process["model"] = {"arch": "sdxl", "name_or_path": str(tmp_path / "base.safetensors"),
+                        "vae_name_or_path": str(tmp_path / "vae.safetensors")}
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "sdxl", process)), registry)
+    assert problem_keys(error.value) == ["model.vae_name_or_path", "model.name_or_path", "model.vae_name_or_path"]
+    assert "needs model.single_file_config" in str(error.value)
+    process["model"]["single_file_config"] = str(tmp_path)
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "sdxl", process)), registry)
+    with pytest.raises(ConfigError) as error:  # what is left: the two files are not there
+        check_paths(config, path)
+    assert problem_keys(error.value) == ["model.name_or_path", "model.vae_name_or_path"]

@@ -142,6 +142,6 @@ def test_num_repeats_and_several_datasets(tmp_path):
 def test_a_mask_folder_that_is_the_image_folder_is_refused(tmp_path):
     make_image(tmp_path / "data" / "a.png", (32, 32))
     for mask_path in (str(tmp_path / "data"), str(tmp_path / "data") + "/", str(tmp_path / "data" / ".." / "data")):
-        with pytest.raises(ValidationError, match="mask_path is the image folder itself.*a folder of their own"):
+        with pytest.raises(ValidationError, match="mask_path: the image folder itself.*a folder of their own"):
             DatasetConfig(folder_path=str(tmp_path / "data"), mask_path=mask_path)
     assert DatasetConfig(folder_path=str(tmp_path / "data"), mask_path=str(tmp_path / "masks")).mask_path

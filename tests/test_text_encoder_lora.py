@@ -153,11 +153,11 @@ def test_sd15_text_encoder_lora_loads_in_diffusers(tmp_path, registry, tiny_sd15
 
 @pytest.mark.parametrize("network, train, save, message", [
     ({"train_text_encoder": True}, {"cache_text_embeddings": True}, {},
-     "network.train_text_encoder and train.cache_text_embeddings"),
+     "network.train_text_encoder: cannot go with train.cache_text_embeddings"),
     ({"train_text_encoder": True}, {"blank_prompt_preservation": True}, {},
-     "network.train_text_encoder and train.blank_prompt_preservation"),
-    ({"train_text_encoder": True}, {}, {"formats": ["peft"]}, r"network.train_text_encoder and save.formats: \[peft\]"),
-    ({}, {"text_encoder_lr": 1e-5}, {}, "train.text_encoder_lr applies only with network.train_text_encoder"),
+     "network.train_text_encoder: cannot go with train.blank_prompt_preservation"),
+    ({"train_text_encoder": True}, {}, {"formats": ["peft"]}, r"network.train_text_encoder: cannot go with save.formats: \[peft\]"),
+    ({}, {"text_encoder_lr": 1e-5}, {}, "train.text_encoder_lr: applies only with network.train_text_encoder"),
     ({"train_text_encoder": True}, {"optimizer": "adafactor", "lr": 0, "text_encoder_lr": 1e-4}, {},
      "for the text encoders too, so `text_encoder_lr` would not apply"),
 ])

@@ -297,7 +297,7 @@ def test_learning_rate_free_settings_are_checked_with_the_config(tmp_path, regis
                               validation={"every": 5})
     with pytest.raises(ConfigError) as error:
         load_config(str(write_job(tmp_path / "s.yaml", "s", process)), registry)
-    assert "replaces the LR schedule" in str(error.value) and "validation: Value error, give `folder_path`" in str(
+    assert "replaces the LR schedule" in str(error.value) and "config.process[0].validation: give `folder_path`" in str(
         error.value)
     with pytest.raises(ConfigError, match="the EMA would never start"):
         load_config(str(write_job(tmp_path / "n.yaml", "n", trainer_process(

@@ -21,7 +21,10 @@ a test fails when this file and the schema disagree.
 
 A job file is YAML or JSON. Strings may use `${ENV_VAR}` (or `${ENV_VAR:-default}`) and `[name]`
 (filled by `--name`, or by `config.name`). Unknown keys are errors that name the file and the dotted
-path and suggest the closest key. Relative paths are relative to the directory you run from.
+path and suggest a key only where it means the same (a close spelling in the same section, or another
+trainer's name for the setting). Every problem a file shows is reported at once, before any model loads:
+wrong types and ranges, unknown keys, keys that do not go together or that the model family cannot use,
+and missing folders and files. Relative paths are relative to the directory you run from.
 """
 
 

@@ -3,17 +3,20 @@ against the schema."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from toolkit.config.base import DEFERRED_CHECKS, Section
 from toolkit.config.importers.detect import detect
 from toolkit.config.schema import JobConfig
 from toolkit.errors import UserError
@@ -321,44 +324,191 @@ def _families_with_key(key: str) -> list[str]:
     return [arch for arch in available_archs() if key in config_class(arch).model_fields]
 
 
-def validate_job(data: dict[str, Any], path: Path, process_models: typing.Mapping[str, type[BaseModel]]) -> JobConfig:
-    """Validate the job and each process against the model registered for its `type`; all errors at once."""
+@dataclass
+class CheckedProcess:
+    """One process of a job file, checked: its typed config (`typed`: every key parsed; else `partial`: the sections
+    and list items that parsed, for the checks that need only those) and every problem found."""
+
+    typed: BaseModel | None
+    partial: BaseModel | None
+    problems: list[str]
+
+
+#: rounds of setting bad keys aside and validating again (each round removes every key pydantic reported)
+REPAIR_ROUNDS = 4
+
+
+def check_process(raw: Any, model: type[BaseModel], where: str, path: Path) -> CheckedProcess:
+    """Every problem of one process that its text can show, in one list: each key's type or range error (pydantic),
+    then the checks across keys (`Section.problems`) of every section, which pydantic would skip once any key of
+    theirs failed. So a bad key does not hide the others: the bad key is set aside (an unknown key removed, a bad
+    value replaced by its default) and the rest validated again; the checks of a section that had a value replaced
+    are skipped (they would judge the default, not the file). A key that cannot be set aside (a required one) leaves
+    the sections and dataset entries that parse on their own."""
+    data = copy.deepcopy(raw)
     problems: list[str] = []
+    replaced: set[tuple] = set()
+    typed = None
+    for _ in range(REPAIR_ROUNDS):
+        try:
+            typed = model.model_validate(data, context=DEFERRED_CHECKS)
+            break
+        except ValidationError as err:
+            problems += [line for line in explain_errors(err, model, path, prefix=where) if line not in problems]
+            repairs = [set_aside(data, model, item) for item in err.errors()]
+            replaced |= {repair[1] for repair in repairs if repair is not None and repair[0] == "replaced"}
+            if None in repairs:  # what is left parses section by section (`partly_typed`)
+                break
+    partial = typed if typed is not None else partly_typed(data, model)
+    skip = replaced if typed is not None else replaced | {()}  # the process's own checks need all of it
+    problems += [f"  {format_loc(loc, where)}: {message}" for loc, message in section_problems(partial, (), skip)]
+    return CheckedProcess(typed if not problems else None, partial, problems)
+
+
+def set_aside(data: dict, model: type[BaseModel], item: dict) -> tuple[str, tuple] | None:
+    """Take the key an error is about out of `data`: ("removed", section) for an unknown key, ("replaced",
+    section) for a bad value of a key with a default; None when the key cannot go (required, or not a key)."""
+    loc = tuple(item["loc"])
+    while loc and not isinstance(loc[-1], str):  # an item of a list value: the list's key
+        loc = loc[:-1]
+    if not loc:
+        return None
+    key, section = loc[-1], _section_at(model, loc[:-1])
+    unknown = item["type"] == "extra_forbidden"
+    if not unknown and (section is None or key not in section.model_fields or section.model_fields[key].is_required()):
+        return None
+    holder = data
+    for part in _user_loc(model, loc[:-1]):
+        try:
+            holder = holder[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    if not isinstance(holder, dict) or key not in holder:
+        return None
+    del holder[key]
+    return ("removed" if unknown else "replaced", _user_loc(model, loc[:-1]))
+
+
+def partly_typed(data: Any, model: type[BaseModel]) -> BaseModel | None:
+    """`model` holding the top-level keys of `data` that parse on their own (a list of sections item by item, None
+    for an item that does not), the other keys' defaults, and nothing for a required key that did not parse."""
+    if not isinstance(data, dict):
+        return None
+    instance = model.model_construct()
+    for name, field in model.model_fields.items():
+        if name not in data:
+            continue
+        try:
+            model.__pydantic_validator__.validate_assignment(instance, name, data[name], context=DEFERRED_CHECKS)
+        except ValidationError:
+            item_model = _unwrap_model(field.annotation)
+            if isinstance(data[name], list) and isinstance(item_model, type) and issubclass(item_model, BaseModel):
+                object.__setattr__(instance, name, [_parsed(item_model, item) for item in data[name]])
+    return instance
+
+
+def _parsed(model: type[BaseModel], value: Any) -> BaseModel | None:
+    try:
+        return model.model_validate(value, context=DEFERRED_CHECKS)
+    except ValidationError:
+        return None
+
+
+def section_problems(section: Any, loc: tuple, skip: set[tuple]) -> list[tuple[tuple, str]]:
+    """(where, message) of the checks across keys of `section` and of every section inside it, skipping the
+    sections at `skip`."""
+    if not isinstance(section, Section):
+        return []
+    found = []
+    for name in type(section).model_fields:
+        value = section.__dict__.get(name)
+        for index, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            found += section_problems(item, loc + ((name,) if index is None else (name, index)), skip)
+    if loc not in skip:
+        found += [(loc + tuple(_key_parts(key)), message) for key, message in section.problems()]
+    return found
+
+
+def _key_parts(key: str) -> list[str | int]:
+    """`datasets[0].fps` -> ["datasets", 0, "fps"] (what `format_loc` writes back)."""
+    return [int(part) if part.isdigit() else part for part in re.findall(r"[^.\[\]]+", key)]
+
+
+@dataclass
+class CheckedJob:
+    """A job file checked: the typed job when it has no problem, else every problem, and the processes as far as
+    they parsed (for the path checks that join them)."""
+
+    job: JobConfig | None
+    problems: list[str]
+    processes: list[BaseModel | None]
+
+
+def check_job(data: dict[str, Any], path: Path, process_models: typing.Mapping[str, type[BaseModel]]) -> CheckedJob:
+    """Validate the job and each process against the model registered for its `type`; every problem at once."""
+    problems: list[str] = []
+    job = None
     try:
         job = JobConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{path}: invalid config\n" + "\n".join(explain_errors(err, JobConfig, path))) from None
-    typed = []
-    for index, raw in enumerate(job.config.process):
+        problems += explain_errors(err, JobConfig, path)
+    body = data.get("config")
+    raw_processes = body.get("process") if isinstance(body, dict) else None
+    typed, processes = [], []
+    for index, raw in enumerate(raw_processes if isinstance(raw_processes, list) else []):
         where = f"config.process[{index}]"
         if not isinstance(raw, dict) or "type" not in raw:
             problems.append(f"  {where}: a process is a mapping with a `type`")
+            processes.append(None)
             continue
         model = process_models.get(raw["type"])
         if model is None:
             explain = getattr(process_models, "explain_unknown", None)
             detail = explain(raw["type"]) if explain else f"known: {', '.join(sorted(process_models))}"
             problems.append(f"  {where}.type: unknown process type '{raw['type']}' ({detail})")
+            processes.append(None)
             continue
-        try:
-            typed.append(model.model_validate(raw))
-        except ValidationError as err:
-            problems += explain_errors(err, model, path, prefix=where)
-    if problems:
-        raise ConfigError(f"{path}: invalid config\n" + "\n".join(problems))
+        checked = check_process(raw, model, where, path)
+        problems += checked.problems
+        typed.append(checked.typed)
+        processes.append(checked.partial)
+    if problems or job is None:
+        return CheckedJob(None, problems, processes)
     job.config.process = typed
-    return job
+    return CheckedJob(job, [], processes)
+
+
+def validate_job(data: dict[str, Any], path: Path, process_models: typing.Mapping[str, type[BaseModel]]) -> JobConfig:
+    """The typed job, or one error naming every problem of the file's text (`check_job`)."""
+    checked = check_job(data, path, process_models)
+    if checked.job is None:
+        raise ConfigError(f"{path}: invalid config\n" + "\n".join(checked.problems))
+    return checked.job
 
 
 def check_paths(job: JobConfig, path: Path, only: int | None = None) -> None:
     """The file-system checks of every process (or of process `only`) (toolkit.config.preflight), all problems at
     once, before any model loads."""
-    from toolkit.config.preflight import path_problems
-
-    problems = [f"  config.process[{index}].{problem}" for index, process in enumerate(job.config.process)
-                if only in (None, index) for problem in path_problems(process)]
+    problems = process_path_problems(job.config.process, only)
     if problems:
         raise ConfigError(f"{path}: " + "\n".join(["paths not found"] + problems))
+
+
+def process_path_problems(processes: list[BaseModel | None], only: int | None = None,
+                          skip_earlier_outputs: bool = False) -> list[str]:
+    """Path problems of each process (or of process `only`), as lines; with `skip_earlier_outputs`, not those
+    naming a path inside a folder an earlier process writes (it may not exist before that process runs)."""
+    from toolkit.config.preflight import path_problems, written_folders
+
+    lines, written = [], []
+    for index, process in enumerate(processes):
+        if process is None:
+            continue
+        if only in (None, index):
+            lines += [f"  config.process[{index}].{problem}" for problem in path_problems(process, written)]
+        if skip_earlier_outputs:
+            written += [folder for _, folder in written_folders(process)]
+    return lines
 
 
 def load_config(
@@ -376,4 +526,8 @@ def load_config(
         raise ConfigError(foreign.message(str(path)))
     data = expand_env(data, path, os.environ if environ is None else environ)
     data = substitute_name(data, path, name)
-    return validate_job(data, path, process_models), path
+    checked = check_job(data, path, process_models)
+    if checked.job is None:  # with the path problems: one message names everything to fix
+        paths = process_path_problems(checked.processes, skip_earlier_outputs=True)
+        raise ConfigError(f"{path}: invalid config\n" + "\n".join(checked.problems + paths))
+    return checked.job, path

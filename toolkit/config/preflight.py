@@ -5,6 +5,7 @@ for its shape anywhere (e.g. the shipped examples, which name folders of the use
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from pydantic import BaseModel
 
@@ -17,21 +18,35 @@ PATH_KEYS = ("name_or_path", "single_file_config", "image_encoder_path", "decode
              "assistant_lora_path", "vae_name_or_path")
 
 
-def path_problems(process: BaseModel) -> list[str]:
-    """Every missing dataset folder (images and masks) and local-looking configured path, each named by its key."""
-    problems = []
+def path_problems(process: BaseModel, written: Sequence[Path] = ()) -> list[str]:
+    """Every missing dataset folder (images and masks) and local-looking configured path, each named by its key;
+    not those inside a folder of `written` (an earlier process of the job writes there). `process` may be partly
+    typed (`toolkit.config.loader.partly_typed`): a section or dataset that did not parse is not looked at."""
+    return [message for message, value in _path_problems(process) if not _inside(value, written)]
+
+
+def _inside(value: str, written: Sequence[Path]) -> bool:
+    where = Path(value).expanduser().absolute()
+    return any(where == folder.absolute() or folder.absolute() in where.parents for folder in written)
+
+
+def _path_problems(process: BaseModel) -> list[tuple[str, str]]:
+    """(message, the path it names) for each path problem."""
+    problems: list[tuple[str | None, str]] = []
     model = getattr(process, "model", None)
     facts = getattr(model, "facts", None)  # the family's FamilyFacts (a class attribute of its config)
     video = bool(facts is not None and facts.video)
     family = getattr(facts, "title", "")
     for index, dataset in enumerate(getattr(process, "datasets", None) or []):
-        problems.append(sample_folder_problem(f"datasets[{index}].folder_path", dataset.folder_path, video, family))
+        if dataset is None:  # did not parse: its own errors are reported
+            continue
+        problems.append((sample_folder_problem(f"datasets[{index}].folder_path", dataset.folder_path, video, family),
+                         dataset.folder_path))
         if dataset.mask_path is not None and not Path(dataset.mask_path).expanduser().is_dir():
-            problems.append(f"datasets[{index}].mask_path: folder not found: {dataset.mask_path}")
+            problems.append((f"datasets[{index}].mask_path: folder not found: {dataset.mask_path}", dataset.mask_path))
     held_out = getattr(getattr(process, "validation", None), "folder_path", None)
     if held_out:
-        problems.append(sample_folder_problem("validation.folder_path", held_out, video, family))
-    problems = [problem for problem in problems if problem]
+        problems.append((sample_folder_problem("validation.folder_path", held_out, video, family), held_out))
     sections = [("model", model)] + [(f"model.{name}", getattr(model, name)) for name in ("sampling",)
                                       if isinstance(getattr(model, name, None), BaseModel)]
     for prefix, section in sections:
@@ -41,12 +56,12 @@ def path_problems(process: BaseModel) -> list[str]:
                 try:
                     normalize_path(value, f"{prefix}.{key}")
                 except PathNotFound as err:
-                    problems.append(str(err))
+                    problems.append((str(err), value))
     network = getattr(process, "network", None)
     lora = getattr(network, "pretrained_lora_path", None)
     if lora and not Path(lora).expanduser().exists():  # a file, or a peft adapter folder
-        problems.append(f"network.pretrained_lora_path: file not found: {lora}")
-    return problems
+        problems.append((f"network.pretrained_lora_path: file not found: {lora}", lora))
+    return [(message, value) for message, value in problems if message]
 
 
 def sample_folder_problem(key: str, value: str, video: bool, family: str) -> str | None:
@@ -74,7 +89,7 @@ def written_folders(process: BaseModel) -> list[tuple[str, Path]]:
         found.append(("training_folder", Path(folder).expanduser()))
     text_cache = bool(getattr(getattr(process, "train", None), "cache_text_embeddings", False))
     for index, dataset in enumerate(getattr(process, "datasets", None) or []):
-        if dataset.cache_latents_to_disk or text_cache:
+        if dataset is not None and (dataset.cache_latents_to_disk or text_cache):
             key = f"datasets[{index}].cache_dir"
             found.append((key, cache_root(dataset.folder_path, dataset.cache_dir)))
     return found

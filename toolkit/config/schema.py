@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from toolkit.config.base import DType, QType, Section, aka
+from toolkit.config.base import DType, Problem, QType, Section, aka
 from toolkit.config.sections import (
     DatasetConfig,
     EMAConfig,
@@ -65,79 +65,78 @@ class SDTrainerConfig(Section):
                                                 "unset. See below.")
     logging: LoggingConfig = Field(LoggingConfig(), description="See below.")
 
-    @model_validator(mode="after")
-    def _what_the_family_can_do(self) -> SDTrainerConfig:
-        """Checks against the family's facts, before any weight loads."""
+    def problems(self) -> list[Problem]:
+        """Checks against the family's facts and across sections, before any weight loads."""
+        return self._family_problems() + self._text_encoder_lora_problems()
+
+    def _family_problems(self) -> list[Problem]:
+        """What the family can do: keys it has no use for, or that need another of its keys."""
         facts, arch = family_facts(self.model.arch), self.model.arch
         problems = []
         if self.network.conv is not None and not facts.conv_layers:
-            problems.append(f"network.conv: the {arch} family ({facts.title}) has no conv layers to adapt; remove "
-                            "network.conv")
+            problems.append(("network.conv", f"the {arch} family ({facts.title}) has no conv layers to adapt; remove "
+                             "network.conv"))
         if self.sample.prompts and facts.sampling_needs and getattr(self.model, facts.sampling_needs) is None:
-            problems.append(f"sample.prompts: {arch} renders sample images through another model: set "
-                            f"model.{facts.sampling_needs}, or remove sample.prompts")
+            problems.append(("sample.prompts", f"{arch} renders sample images through another model: set "
+                             f"model.{facts.sampling_needs}, or remove sample.prompts"))
         if self.train.zero_terminal_snr and not facts.ddpm_noise:
-            problems.append(f"train.zero_terminal_snr: the {arch} family ({facts.title}) has no DDPM noise schedule to "
-                            "rescale; remove it")
+            problems.append(("train.zero_terminal_snr", f"the {arch} family ({facts.title}) has no DDPM noise "
+                             "schedule to rescale; remove it"))
         if self.network.train_text_encoder and not facts.text_encoder_lora:
-            problems.append(f"network.train_text_encoder: the {arch} family ({facts.title}) trains no text-encoder "
-                            "LoRA; remove it")
+            problems.append(("network.train_text_encoder", f"the {arch} family ({facts.title}) trains no "
+                             "text-encoder LoRA; remove it"))
         if self.train.guidance_scale is not None and not facts.guidance_embedding:
-            problems.append(f"train.guidance_scale: the {arch} family ({facts.title}) has no guidance embedding to "
-                            "train with; remove it")
+            problems.append(("train.guidance_scale", f"the {arch} family ({facts.title}) has no guidance embedding "
+                             "to train with; remove it"))
         if self.sample.neg and not facts.negative_prompt:
-            problems.append(f"sample.neg: {facts.title} samples without classifier-free guidance, so a negative "
-                            "prompt would not apply; remove it")
+            problems.append(("sample.neg", f"{facts.title} samples without classifier-free guidance, so a negative "
+                             "prompt would not apply; remove it"))
         if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
-            problems.append(f"sample.guidance_rescale: the {arch} sampling pipeline has no guidance rescale; remove it")
+            problems.append(("sample.guidance_rescale", f"the {arch} sampling pipeline has no guidance rescale; "
+                             "remove it"))
         problems += self._frame_problems(facts, arch)
         if self.sample.use_ema and self.train.ema is None:
-            problems.append("sample.use_ema: there is no EMA to render with; set train.ema (e.g. {decay: 0.999}) or "
-                            "remove sample.use_ema")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+            problems.append(("sample.use_ema", "there is no EMA to render with; set train.ema (e.g. {decay: 0.999}) "
+                             "or remove sample.use_ema"))
+        return problems
 
-    def _frame_problems(self, facts, arch: str) -> list[str]:
+    def _frame_problems(self, facts, arch: str) -> list[Problem]:
         """Frame counts and rates only where the family trains on clips, and only counts it takes."""
         problems = []
         for index, dataset in enumerate(self.datasets):
             problem = facts.frame_count_problem(dataset.num_frames)
             if problem:
-                problems.append(f"datasets[{index}].num_frames: {problem}")
+                problems.append((f"datasets[{index}].num_frames", problem))
             if dataset.fps is not None and not facts.video:
-                problems.append(f"datasets[{index}].fps: the {arch} family ({facts.title}) trains on images only; "
-                                "remove it")
+                problems.append((f"datasets[{index}].fps", f"the {arch} family ({facts.title}) trains on images "
+                                 "only; remove it"))
         if self.sample.num_frames is not None:
             problem = facts.frame_count_problem(self.sample.num_frames)
             if problem:
-                problems.append(f"sample.num_frames: {problem}")
+                problems.append(("sample.num_frames", problem))
         if self.sample.fps is not None and not facts.video:
-            problems.append(f"sample.fps: the {arch} family ({facts.title}) renders images; remove it")
+            problems.append(("sample.fps", f"the {arch} family ({facts.title}) renders images; remove it"))
         return problems
 
-    @model_validator(mode="after")
-    def _text_encoder_lora_fits(self) -> SDTrainerConfig:
+    def _text_encoder_lora_problems(self) -> list[Problem]:
         """A trained text encoder encodes every caption live; combinations that cannot are named here."""
         network, train = self.network, self.train
         if not network.train_text_encoder:
             if train.text_encoder_lr is not None:
-                raise ValueError("train.text_encoder_lr applies only with network.train_text_encoder: true")
-            return self
+                return [("train.text_encoder_lr", "applies only with network.train_text_encoder: true")]
+            return []
         problems = []
         if train.cache_text_embeddings:
-            problems.append("network.train_text_encoder and train.cache_text_embeddings: a trained text encoder "
-                            "changes every caption's embedding at each step, so they cannot be cached; turn one off")
+            problems.append(("network.train_text_encoder", "cannot go with train.cache_text_embeddings: a trained text encoder "
+                             "changes every caption's embedding at each step, so they cannot be cached; turn one off"))
         if train.blank_prompt_preservation:
-            problems.append("network.train_text_encoder and train.blank_prompt_preservation: the preservation term "
-                            "compares with the base model's blank-prompt prediction through a frozen text encoder; "
-                            "turn one off")
+            problems.append(("network.train_text_encoder", "cannot go with train.blank_prompt_preservation: the "
+                             "preservation term compares with the base model's blank-prompt prediction through a frozen text "
+                             "encoder; turn one off"))
         if "peft" in self.save.formats:
-            problems.append("network.train_text_encoder and save.formats: [peft]: a peft folder holds one model; "
-                            "use the comfy or diffusers form, which hold the UNet and the text encoders")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+            problems.append(("network.train_text_encoder", "cannot go with save.formats: [peft]: a peft folder holds one model; "
+                             "use the comfy or diffusers form, which hold the UNet and the text encoders"))
+        return problems
 
     @field_validator("device")
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from toolkit.config.base import DType, Section, aka
+from toolkit.config.base import DType, Problem, Section, aka
 from toolkit.diffusion.timestep_params import TimestepParams
 from toolkit.train.optimizer_params import optimizer_param_problems, uses_relative_step
 
@@ -54,8 +54,7 @@ class NetworkConfig(Section):
         "type and ranks); its alphas are honoured, so the model starts with exactly the file's weight deltas.",
         json_schema_extra=aka("network_weights", "resume_lora"))
 
-    @model_validator(mode="after")
-    def _options_of_the_type(self) -> NetworkConfig:
+    def problems(self) -> list[Problem]:
         problems = []
         if self.use_dora and self.type != "lora":
             problems.append("`use_dora` applies to type lora only")
@@ -64,9 +63,7 @@ class NetworkConfig(Section):
                             "module_dropout")
         if self.conv_alpha is not None and self.conv is None:
             problems.append("`conv_alpha` needs `conv` (the conv rank)")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        return [("", problem) for problem in problems]
 
 
 class SaveConfig(Section):
@@ -182,14 +179,12 @@ class DatasetConfig(Section):
         """`~` and `$VARS` expanded once here, so the pre-run check and the loader read the same folder."""
         return None if value is None else os.path.expandvars(os.path.expanduser(value.strip()))
 
-    @model_validator(mode="after")
-    def _masks_beside_the_images(self) -> DatasetConfig:
+    def problems(self) -> list[Problem]:
         """The mask folder is another folder: in the image folder, the masks would be read as samples too."""
         if self.mask_path is not None and os.path.realpath(self.mask_path) == os.path.realpath(self.folder_path):
-            raise ValueError(f"mask_path is the image folder itself ({self.folder_path}): its masks would be "
-                             "trained on as images; put the masks in a folder of their own (named like the images) "
-                             "and give that folder")
-        return self
+            return [("mask_path", f"the image folder itself ({self.folder_path}): its masks would be trained on as "
+                     "images; put the masks in a folder of their own (named like the images) and give that folder")]
+        return []
 
 
 class LRSchedulerParams(Section):
@@ -214,11 +209,12 @@ class TimestepParamsConfig(Section):
     gaussian_std_end: float | None = Field(None, gt=0, description="gaussian curriculum: std at the end.")
     cycle: list[float] = Field([], description="fixed_cycle: u values visited in order, one per update.")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> TimestepParamsConfig:
-
-        TimestepParams(**self.model_dump())  # raises naming every bad key
-        return self
+    def problems(self) -> list[Problem]:
+        try:
+            TimestepParams(**self.model_dump())  # raises naming every bad key
+        except ValueError as err:
+            return [("", str(err))]
+        return []
 
 
 class OptimizerSection(Section):
@@ -419,8 +415,7 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
     def _auto_or_path(cls, value: bool | str) -> bool | str:
         return "auto" if value is True else value
 
-    @model_validator(mode="after")
-    def _length_and_warmup(self) -> TrainConfig:
+    def problems(self) -> list[Problem]:
         problems = []
         if self.steps is None and self.epochs is None:
             problems.append("give `steps` (optimizer updates) or `epochs`")
@@ -442,9 +437,7 @@ class TrainConfig(OptimizerSection, LRScheduleSection, ObjectiveSection, Runtime
             problems.append(f"`timestep_range` must be [min, max] with 0 <= min < max <= 1, got {self.timestep_range}")
         if self.timestep_type == "fixed_cycle" and not self.timestep_params.cycle:
             problems.append("`timestep_type: fixed_cycle` needs `timestep_params.cycle`, e.g. [0.9, 0.5, 0.1]")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        return [("", problem) for problem in problems]
 
 
 class ValidationConfig(Section):
@@ -464,12 +457,11 @@ class ValidationConfig(Section):
                            "same for every sample and evaluation; logged as `val_loss` and per third of the range "
                            "(`val_loss_low`, `val_loss_mid`, `val_loss_high`: u below 1/3, to 2/3, above).")
 
-    @model_validator(mode="after")
-    def _one_source(self) -> ValidationConfig:
+    def problems(self) -> list[Problem]:
         if (self.folder_path is None) == (self.split is None):
-            raise ValueError("give `folder_path` (a held-out folder) or `split` (a fraction of the training data), "
-                             "one of them")
-        return self
+            return [("", "give `folder_path` (a held-out folder) or `split` (a fraction of the training data), "
+                     "one of them")]
+        return []
 
     @field_validator("folder_path")
     @classmethod
