@@ -202,7 +202,9 @@ def run_job(arg: str, config, path: Path, registry, args: argparse.Namespace) ->
     from toolkit.errors import UserError
 
     try:
-        check_paths(config, path)  # before the training libraries load: a missing folder is said in a second
+        # before the training libraries load: a missing folder is said in a second (what an earlier process of the
+        # job writes is checked when the process that reads it starts)
+        check_paths(config, path, skip_earlier_outputs=True)
         from jobs.job import get_job
         from jobs.process.base_process import StopRequested
     except UserError as err:

@@ -394,3 +394,108 @@ def test_a_single_file_sdxl_vae_beside_a_single_file_base_needs_its_config_befor
     with pytest.raises(ConfigError) as error:  # what is left: the two files are not there
         check_paths(config, path)
     assert problem_keys(error.value) == ["model.name_or_path", "model.vae_name_or_path"]
+
+
+@pytest.mark.parametrize("overrides, absent", [
+    ({"train": {"ema": 0.999}, "sample": {"use_ema": True}}, "sample.use_ema"),
+    ({"network": {"train_text_encoder": "yes please"}, "train": {"text_encoder_lr": 1e-5}}, "train.text_encoder_lr"),
+    ({"train": {"timestep_type": "fixed_cycle", "timestep_params": {"cycle": 0.5}}}, "train:"),
+])
+def test_a_check_never_judges_the_default_put_in_for_a_bad_value(tmp_path, registry, overrides, absent):
+    """A bad value is reported once; checks that read the default the loader put in for it stay quiet (the EMA the
+    file asks for is there, only written wrongly)."""
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "d", trainer_process(tmp_path, **overrides))), registry)
+    assert len(str(error.value).splitlines()) == 2 and absent not in str(error.value).splitlines()[1], str(error.value)
+
+
+def test_a_key_with_several_errors_still_leaves_the_other_checks(tmp_path, registry):
+    """Two bad items of one list are two errors about one key: set aside once, the other sections still checked;
+    a union of plain types is named by its key, not by pydantic's label of a member."""
+    process = trainer_process(tmp_path, datasets=[{"folder_path": str(QUICKSTART_DATA), "resolution": ["a", "b"]}],
+                              train={"guidance_scale": 3.5, "resume": 5.5})
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "k", process)), registry)
+    keys = problem_keys(error.value)
+    assert "train.guidance_scale" in keys and "datasets[0].resolution[0]" in keys and "datasets[0].resolution[1]" in keys
+    assert set(keys) <= {"train.guidance_scale", "datasets[0].resolution[0]", "datasets[0].resolution[1]",
+                         "train.resume"}, keys
+
+
+def test_a_non_text_key_is_an_unknown_key_of_its_section_only(tmp_path, registry):
+    """A YAML key such as `1:` is an unknown key of `network`; the rest of `network` is still checked."""
+    process = trainer_process(tmp_path, network={1: "x", "pretrained_lora_path": str(tmp_path / "no.safetensors")})
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "n", process)), registry)
+    assert problem_keys(error.value) == ["network[1]", "network.pretrained_lora_path"], str(error.value)
+
+
+def test_before_a_job_starts_only_its_earlier_processes_run_folders_are_left_unchecked(tmp_path, registry):
+    """run.py checks every process's paths before the first one starts, except what an earlier process writes: its
+    run folder <training_folder>/<name>, not the whole training folder (a typo elsewhere in it is still found)."""
+    first = trainer_process(tmp_path, train={"steps": 2})
+    made = tmp_path / "output" / "two" / "two.safetensors"
+    second = trainer_process(tmp_path, network={"pretrained_lora_path": str(made)})
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "two", first, second)), registry)
+    check_paths(config, path, skip_earlier_outputs=True)
+    with pytest.raises(ConfigError, match="pretrained_lora_path"):
+        check_paths(config, path)  # when the second process starts, the file must be there
+    second["network"]["pretrained_lora_path"] = str(tmp_path / "output" / "tow" / "two.safetensors")
+    config, path = load_config(str(write_job(tmp_path / "job.yaml", "two", first, second)), registry)
+    with pytest.raises(ConfigError, match=r"config.process\[1\].network.pretrained_lora_path"):
+        check_paths(config, path, skip_earlier_outputs=True)
+
+
+def test_a_family_that_does_not_parse_holds_no_clip_against_a_folder(tmp_path, registry):
+    """Without a parsed `model` it is not known whether clips are samples: a folder of clips is not called empty."""
+    from helpers import write_mp4
+
+    write_mp4(tmp_path / "clips" / "a.mp4", frames=2)
+    process = trainer_process(tmp_path, datasets=[{"folder_path": str(tmp_path / "clips")}])
+    process["model"] = {"arch": "wan"}
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "w", process)), registry)
+    assert problem_keys(error.value) == ["model.name_or_path"], str(error.value)
+
+
+def test_malformed_values_where_text_is_expected_are_config_errors(tmp_path, registry):
+    """A process type or a job name that is not text is named, not a traceback."""
+    for body in ({"name": "x", "process": [{"type": ["a"]}]}, {"name": 5, "process": [trainer_process(tmp_path)]}):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump({"job": "extension", "config": body}))
+        with pytest.raises(ConfigError):
+            load_config(str(path), registry)
+
+
+def test_an_extension_process_with_its_own_checks_is_reported_not_crashed(tmp_path):
+    """A registered process model may be a plain pydantic model with its own validators: the loader's partial view
+    of it never runs them on missing keys."""
+    from pydantic import BaseModel, model_validator
+
+    class Plain(BaseModel):
+        type: str
+        a: int
+        b: int = 0
+
+        @model_validator(mode="after")
+        def _b_below_a(self):
+            if self.b > self.a:
+                raise ValueError("b must not exceed a")
+            return self
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"config": {"name": "x", "process": [{"type": "plain", "a": "one", "b": 2}]}}))
+    with pytest.raises(ConfigError, match=r"config.process\[0\].a"):
+        load_config(str(path), {"plain": Plain})
+    path.write_text(yaml.safe_dump({"config": {"name": "x", "process": [{"type": "plain", "a": 1, "b": 2}]}}))
+    with pytest.raises(ConfigError, match="b must not exceed a"):
+        load_config(str(path), {"plain": Plain})
+
+
+def test_a_single_file_wan_transformer_is_refused_by_the_config(tmp_path, registry):
+    process = trainer_process(tmp_path)
+    process["model"] = {"arch": "wan", "name_or_path": "/models/wan2.1_t2v_1.3B.safetensors"}
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "w", process)), registry)
+    assert problem_keys(error.value)[0] == "model.name_or_path" and "single-file transformers are not read" in str(
+        error.value)

@@ -11,10 +11,10 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from toolkit.config.base import DEFERRED_CHECKS, Section
 from toolkit.config.importers.detect import detect
@@ -118,7 +118,9 @@ def substitute_name(data: dict[str, Any], path: Path, name: str | None) -> dict[
     body = data.get("config")
     if name is None:
         name = body.get("name") if isinstance(body, dict) else None
-        if isinstance(name, str) and "[name]" in name:
+        if not isinstance(name, str):  # the schema names a name that is not text
+            return data
+        if "[name]" in name:
             raise ConfigError(f"{path}: config.name is '{name}'; pass --name to fill [name]")
     if name is None:
         return data
@@ -279,7 +281,7 @@ def edit_distance(a: str, b: str) -> int:
 def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, prefix: str = "") -> list[str]:
     lines = []
     for item in err.errors():
-        loc = _user_loc(model, tuple(item["loc"]))
+        loc = _user_loc(model, _key_loc(model, item))
         where = format_loc(loc, prefix) or prefix or "(top level)"
         if item["type"] == "extra_forbidden":
             msg = _unknown_key(_section_at(model, tuple(item["loc"])[:-1]), str(loc[-1]), _section_name(loc))
@@ -296,6 +298,19 @@ def explain_errors(err: ValidationError, model: type[BaseModel], path: Path, pre
             msg = item["msg"]
         lines.append(f"  {where}: {msg}")
     return lines
+
+
+def _key_loc(model: type[BaseModel], item: dict) -> tuple:
+    """pydantic's loc of an error, ending at the key it is about and the list indices inside its value (not the
+    label pydantic gives a member of a union of plain types: `train.resume`, not `train.resume.bool`)."""
+    loc = tuple(item["loc"])
+    found = None if item["type"] in ("extra_forbidden", "invalid_key", "union_tag_invalid", "union_tag_not_found") else \
+        _key_of(model, loc)
+    if found is None:
+        return loc
+    key, section_loc = found
+    inside = loc[len(section_loc) + 1:]
+    return section_loc + (key,) + tuple(part for part in inside if isinstance(part, int))
 
 
 def _section_name(loc: tuple) -> str:
@@ -347,7 +362,7 @@ def check_process(raw: Any, model: type[BaseModel], where: str, path: Path) -> C
     the sections and dataset entries that parse on their own."""
     data = copy.deepcopy(raw)
     problems: list[str] = []
-    replaced: set[tuple] = set()
+    replaced: set[tuple] = set()  # the keys (full paths) whose value is now a default
     typed = None
     for _ in range(REPAIR_ROUNDS):
         try:
@@ -360,38 +375,75 @@ def check_process(raw: Any, model: type[BaseModel], where: str, path: Path) -> C
             if None in repairs:  # what is left parses section by section (`partly_typed`)
                 break
     partial = typed if typed is not None else partly_typed(data, model)
-    skip = replaced if typed is not None else replaced | {()}  # the process's own checks need all of it
-    problems += [f"  {format_loc(loc, where)}: {message}" for loc, message in section_problems(partial, (), skip)]
+    skip = {key[:-1] for key in replaced if key[:-1]}  # a section whose own value is a default is not judged
+    if typed is None:
+        skip.add(())  # the process's own checks need all of it
+    problems += [f"  {format_loc(loc, where)}: {message}" for loc, message in section_problems(partial, (), skip)
+                 if not names_any(loc, message, replaced)]
     return CheckedProcess(typed if not problems else None, partial, problems)
 
 
+def names_any(loc: tuple, message: str, keys: set[tuple]) -> bool:
+    """Whether a check's finding is about one of `keys` (it names the key, by its path or its name): a check that
+    read a default put in for a bad value would judge the default, not the file."""
+    for key in keys:
+        names = [part for part in key if isinstance(part, str)]
+        if not names:
+            continue
+        if tuple(loc[:len(key)]) == key or re.search(rf"(?<!\w){re.escape(names[-1])}(?!\w)", message):
+            return True
+    return False
+
+
 def set_aside(data: dict, model: type[BaseModel], item: dict) -> tuple[str, tuple] | None:
-    """Take the key an error is about out of `data`: ("removed", section) for an unknown key, ("replaced",
-    section) for a bad value of a key with a default; None when the key cannot go (required, or not a key)."""
+    """Take the key an error is about out of `data`: ("removed", its path) for an unknown key, ("replaced", its path)
+    for a bad value of a key with a default; None when the key cannot go (required, or not a key)."""
     loc = tuple(item["loc"])
-    while loc and not isinstance(loc[-1], str):  # an item of a list value: the list's key
-        loc = loc[:-1]
-    if not loc:
-        return None
-    key, section = loc[-1], _section_at(model, loc[:-1])
-    unknown = item["type"] == "extra_forbidden"
-    if not unknown and (section is None or key not in section.model_fields or section.model_fields[key].is_required()):
-        return None
+    unknown = item["type"] in ("extra_forbidden", "invalid_key")  # a key not known, or not text (YAML's `1:`)
+    if unknown:
+        key, section_loc = loc[-1], loc[:-1]
+    else:
+        found = _key_of(model, loc)
+        if found is None:
+            return None
+        key, section_loc = found
+        section = _section_at(model, section_loc)
+        if section is None or section.model_fields[key].is_required():
+            return None
     holder = data
-    for part in _user_loc(model, loc[:-1]):
+    for part in _user_loc(model, section_loc):
         try:
             holder = holder[part]
         except (KeyError, IndexError, TypeError):
             return None
-    if not isinstance(holder, dict) or key not in holder:
+    if not isinstance(holder, dict):
         return None
-    del holder[key]
-    return ("removed" if unknown else "replaced", _user_loc(model, loc[:-1]))
+    holder.pop(key, None)  # gone already when a key had two errors
+    return ("removed" if unknown else "replaced", _user_loc(model, section_loc) + (key,))
+
+
+def _key_of(model: type[BaseModel], loc: tuple) -> tuple[str, tuple] | None:
+    """(the key, the loc of its section) an error at pydantic's `loc` is about: the first key on the way that holds
+    a value rather than a section (what follows it is inside the value: list indices, a union member's label), or
+    the deepest section-valued key."""
+    found = None
+    for index, part in enumerate(loc):
+        if not isinstance(part, str):
+            continue
+        section = _section_at(model, loc[:index])
+        if section is None or part not in section.model_fields:
+            continue
+        found = (part, loc[:index])
+        inner = _unwrap_model(section.model_fields[part].annotation)
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)) and not _tagged_members(inner):
+            break
+    return found
 
 
 def partly_typed(data: Any, model: type[BaseModel]) -> BaseModel | None:
     """`model` holding the top-level keys of `data` that parse on their own (a list of sections item by item, None
-    for an item that does not), the other keys' defaults, and nothing for a required key that did not parse."""
+    for an item that does not), the other keys' defaults, and nothing for a required key that did not parse. Each
+    key is validated by its own annotation and constraints: the model's validators expect all of its keys."""
     if not isinstance(data, dict):
         return None
     instance = model.model_construct()
@@ -399,11 +451,15 @@ def partly_typed(data: Any, model: type[BaseModel]) -> BaseModel | None:
         if name not in data:
             continue
         try:
-            model.__pydantic_validator__.validate_assignment(instance, name, data[name], context=DEFERRED_CHECKS)
+            value = TypeAdapter(Annotated[field.annotation, field]).validate_python(data[name],
+                                                                                  context=DEFERRED_CHECKS)
         except ValidationError:
             item_model = _unwrap_model(field.annotation)
-            if isinstance(data[name], list) and isinstance(item_model, type) and issubclass(item_model, BaseModel):
-                object.__setattr__(instance, name, [_parsed(item_model, item) for item in data[name]])
+            if not (isinstance(data[name], list) and isinstance(item_model, type)
+                    and issubclass(item_model, BaseModel)):
+                continue
+            value = [_parsed(item_model, item) for item in data[name]]
+        object.__setattr__(instance, name, value)
     return instance
 
 
@@ -461,7 +517,7 @@ def check_job(data: dict[str, Any], path: Path, process_models: typing.Mapping[s
             problems.append(f"  {where}: a process is a mapping with a `type`")
             processes.append(None)
             continue
-        model = process_models.get(raw["type"])
+        model = process_models.get(raw["type"]) if isinstance(raw["type"], str) else None
         if model is None:
             explain = getattr(process_models, "explain_unknown", None)
             detail = explain(raw["type"]) if explain else f"known: {', '.join(sorted(process_models))}"
@@ -486,18 +542,19 @@ def validate_job(data: dict[str, Any], path: Path, process_models: typing.Mappin
     return checked.job
 
 
-def check_paths(job: JobConfig, path: Path, only: int | None = None) -> None:
+def check_paths(job: JobConfig, path: Path, only: int | None = None, skip_earlier_outputs: bool = False) -> None:
     """The file-system checks of every process (or of process `only`) (toolkit.config.preflight), all problems at
-    once, before any model loads."""
-    problems = process_path_problems(job.config.process, only)
+    once, before any model loads; `skip_earlier_outputs` before the job starts (`process_path_problems`)."""
+    problems = process_path_problems(job.config.process, only, skip_earlier_outputs, job.config.name)
     if problems:
         raise ConfigError(f"{path}: " + "\n".join(["paths not found"] + problems))
 
 
 def process_path_problems(processes: list[BaseModel | None], only: int | None = None,
-                          skip_earlier_outputs: bool = False) -> list[str]:
+                          skip_earlier_outputs: bool = False, name: Any = None) -> list[str]:
     """Path problems of each process (or of process `only`), as lines; with `skip_earlier_outputs`, not those
-    naming a path inside a folder an earlier process writes (it may not exist before that process runs)."""
+    naming a path inside a folder an earlier process writes (its run folder <training_folder>/<name>, its caches),
+    which exists only once that process ran."""
     from toolkit.config.preflight import path_problems, written_folders
 
     lines, written = [], []
@@ -507,7 +564,8 @@ def process_path_problems(processes: list[BaseModel | None], only: int | None = 
         if only in (None, index):
             lines += [f"  config.process[{index}].{problem}" for problem in path_problems(process, written)]
         if skip_earlier_outputs:
-            written += [folder for _, folder in written_folders(process)]
+            written += [folder / name if key == "training_folder" and isinstance(name, str) else folder
+                        for key, folder in written_folders(process)]
     return lines
 
 
@@ -528,6 +586,8 @@ def load_config(
     data = substitute_name(data, path, name)
     checked = check_job(data, path, process_models)
     if checked.job is None:  # with the path problems: one message names everything to fix
-        paths = process_path_problems(checked.processes, skip_earlier_outputs=True)
+        body = data.get("config")
+        name = body.get("name") if isinstance(body, dict) else None
+        paths = process_path_problems(checked.processes, skip_earlier_outputs=True, name=name)
         raise ConfigError(f"{path}: invalid config\n" + "\n".join(checked.problems + paths))
     return checked.job, path

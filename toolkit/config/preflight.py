@@ -35,7 +35,7 @@ def _path_problems(process: BaseModel) -> list[tuple[str, str]]:
     problems: list[tuple[str | None, str]] = []
     model = getattr(process, "model", None)
     facts = getattr(model, "facts", None)  # the family's FamilyFacts (a class attribute of its config)
-    video = bool(facts is not None and facts.video)
+    video = bool(facts is None or facts.video)  # a `model` that did not parse: clips are not held against a folder
     family = getattr(facts, "title", "")
     for index, dataset in enumerate(getattr(process, "datasets", None) or []):
         if dataset is None:  # did not parse: its own errors are reported

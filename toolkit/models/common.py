@@ -11,6 +11,7 @@ from diffusers import DDPMScheduler
 from toolkit.device import safe_module_to_device, to_device
 from toolkit.diffusion.timesteps import ShiftSchedule
 from toolkit.models.base import LatentDist, TextRules
+from toolkit.models.config import is_single_file  # noqa: F401  (the adapters take it from here)
 
 
 def place_frozen(denoiser: torch.nn.Module, encoders: list[torch.nn.Module], device: torch.device, low_vram: bool,
@@ -132,9 +133,6 @@ def dynamic_shift_schedule(config) -> ShiftSchedule | None:
     return ShiftSchedule.from_scheduler_config(config) if config.get("use_dynamic_shifting") else None
 
 
-def is_single_file(source: str) -> bool:
-    """A single-file checkpoint (rather than a diffusers folder or hub id)."""
-    return source.endswith((".safetensors", ".ckpt"))
 
 
 #: config qtype -> transformers' QuantoConfig weights (text encoders quantized by transformers as they load)

@@ -110,3 +110,8 @@ class SamplingModelConfig(Section):
     subfolder: str | None = Field("transformer", description="Subfolder of the transformer in a diffusers folder.")
     quantize: bool = Field(False, description="Quantize it with optimum-quanto.")
     qtype: QType = Field("qfloat8", description="Weight type of `quantize`.")
+
+
+def is_single_file(source: str | None) -> bool:
+    """A single-file checkpoint (rather than a diffusers folder or hub id), as the config and the loader read it."""
+    return source is not None and source.strip().endswith((".safetensors", ".ckpt"))

@@ -107,7 +107,9 @@ def _aitoolkit(data: dict[str, Any], own_types: frozenset[str]) -> Foreign | Non
     strong: list[str] = []
     evidence: list[str] = []
     for index, process in enumerate(processes):
-        if not isinstance(process, dict) or (process.get("type") in own_types and process.get("type") != "sd_trainer"):
+        if not isinstance(process, dict) or not isinstance(process.get("type", ""), str):
+            continue  # the schema names a type that is not text
+        if process.get("type") in own_types and process.get("type") != "sd_trainer":
             continue
         where = f"config.process[{index}]"
         if process.get("type") in AITOOLKIT_PROCESS_TYPES:

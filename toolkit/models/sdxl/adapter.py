@@ -17,6 +17,7 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from toolkit.device import memory_debug, to_device
+from toolkit.errors import UserError
 from toolkit.models.base import (
     Expert,
     LoraComponent,
@@ -32,8 +33,9 @@ from toolkit.models.common import (
     place_frozen,
     run_in_own_dtype,
 )
+from toolkit.models.config import is_single_file
 from toolkit.models.sd_common import StableDiffusionAdapter
-from toolkit.models.sdxl.config import FACTS, SDXLModelConfig, single_file
+from toolkit.models.sdxl.config import FACTS, SDXLModelConfig
 from toolkit.models.sdxl.names import sgm_unet_renames
 from toolkit.models.sdxl.tiny import ensure_tiny_sdxl
 from toolkit.paths import normalize_path
@@ -125,11 +127,13 @@ class SDXLAdapter(StableDiffusionAdapter):
     def _load_vae(vae_source: str, model_cfg: SDXLModelConfig, source: str, dtype: torch.dtype) -> AutoencoderKL:
         """`model.vae_name_or_path`: a VAE folder or hub id (its own, or a pipeline's `vae/`), or a single file whose
         config is the base model's VAE config (`single_file_config` for a single-file base)."""
-        if single_file(vae_source):
+        if is_single_file(vae_source):
             if not Path(vae_source).is_file():
                 raise FileNotFoundError(f"model.vae_name_or_path: file not found: {vae_source}")
-            # the config's own check (SDXLModelConfig.problems) makes sure a single-file base names its config
-            config = model_cfg.single_file_config if single_file(source) else source
+            config = model_cfg.single_file_config if is_single_file(source) else source
+            if config is None:  # the job file's check says so first (SDXLModelConfig.problems)
+                raise UserError("model.vae_name_or_path: a single-file VAE beside a single-file model needs "
+                                "model.single_file_config (a diffusers SDXL folder or hub id) for its config")
             return AutoencoderKL.from_single_file(vae_source, config=config, subfolder="vae", torch_dtype=dtype,
                                                   local_files_only=Path(config).is_dir())
         subfolder = "vae" if (Path(vae_source) / "vae" / "config.json").is_file() else None

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from toolkit.config.base import Problem
-from toolkit.models.config import DDPMOptions, FamilyFacts, ModelConfigBase
+from toolkit.models.config import DDPMOptions, FamilyFacts, ModelConfigBase, is_single_file
 
 FACTS = FamilyFacts(title="Stable Diffusion XL", conv_layers=True, ddpm_noise=True, guidance_rescale=True,
                     text_encoder_lora=True, size_conditioning=True)
@@ -33,13 +33,9 @@ class SDXLModelConfig(ModelConfigBase, DDPMOptions):
 
     def problems(self) -> list[Problem]:
         """A single-file VAE takes its config from the base model's folder: a single-file base has none."""
-        if (single_file(self.vae_name_or_path) and single_file(self.name_or_path)
+        if (is_single_file(self.vae_name_or_path) and is_single_file(self.name_or_path)
                 and self.single_file_config is None):
             return [("vae_name_or_path", "a single-file VAE beside a single-file model needs model.single_file_config "
                      "(a diffusers SDXL folder or hub id) for its config")]
         return []
 
-
-def single_file(source: str | None) -> bool:
-    """A single-file checkpoint (rather than a diffusers folder or hub id)."""
-    return source is not None and source.endswith((".safetensors", ".ckpt"))

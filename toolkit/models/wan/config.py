@@ -6,8 +6,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from toolkit.config.base import aka
-from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOptions
+from toolkit.config.base import Problem, aka
+from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOptions, is_single_file
 
 FACTS = FamilyFacts(title="Wan", frame_step=4, file_parts=("high_noise", "low_noise"))
 
@@ -44,3 +44,9 @@ class WanModelConfig(QuantizedBaseOptions, ModelConfigBase):
         return value
 
     facts: ClassVar[FamilyFacts] = FACTS
+
+    def problems(self) -> list[Problem]:
+        if is_single_file(self.name_or_path):
+            return [("name_or_path", "Wan loads from a diffusers folder or hub id (e.g. "
+                     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers); single-file transformers are not read")]
+        return []
