@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -159,3 +160,42 @@ def test_the_table_of_optimizer_params_is_what_each_optimizer_takes(name):
     """The config checks `optimizer_params` against a table (no optimizer library loads then): it must equal the
     installed optimizer's real keyword arguments."""
     assert OPTIMIZER_PARAMS[name] == accepted_params(name)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_PARAMS))
+def test_every_optimizer_param_has_a_value_rule_its_own_default_passes(name):
+    """Values are checked with the config too (a wrong one used to fail in the optimizer's constructor, after the
+    model had loaded). The rules are held against the installed optimizer: the default of every keyword it takes
+    (the wrapper's and transformers' Adafactor's both) passes its rule, so a rule cannot refuse what the library
+    takes by default."""
+    import inspect
+
+    from toolkit.train.optimizer_params import optimizer_param_problems
+    from toolkit.train.optimizers import optimizer_class
+
+    signatures = [inspect.signature(optimizer_class(name)).parameters]
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        signatures.append(inspect.signature(Adafactor).parameters)
+    defaults = {key: parameter.default for parameters in signatures for key, parameter in parameters.items()
+                if key in OPTIMIZER_PARAMS[name] and parameter.default is not inspect.Parameter.empty}
+    assert defaults, name
+    for key, value in defaults.items():
+        assert optimizer_param_problems(name, {key: value}) == [], (key, value)
+
+
+@pytest.mark.parametrize("name, params, message", [
+    ("adamw", {"betas": "0.9"}, "optimizer_params.betas` of adamw must be two numbers in [0, 1)"),
+    ("adamw", {"betas": [0.9, 1.5]}, "must be two numbers in [0, 1)"),
+    ("adamw", {"weight_decay": -1}, "optimizer_params.weight_decay` of adamw must be a number >= 0"),
+    ("adamw", {"amsgrad": "yes"}, "must be true or false"),
+    ("adafactor", {"eps": 1e-8}, "Adafactor's eps is a pair"),
+    ("prodigy", {"d_coef": 0}, "must be a number > 0"),
+    ("schedulefree_adamw", {"warmup_steps": 2.5}, "must be an integer >= 0"),
+])
+def test_wrong_optimizer_param_values_are_refused_with_the_config(name, params, message):
+    from toolkit.config.sections import TrainConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(steps=10, optimizer=name, optimizer_params=params, lr=1.0 if name == "prodigy" else 1e-4)
