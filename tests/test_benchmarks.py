@@ -4,32 +4,61 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
 import benchmarks.run
-from benchmarks.run import main, measure, table
+from benchmarks.run import Round, Settings, main, measure, ratio, spread, table
+
+#: the smallest run of every loop: one round of one epoch of 8 updates, the first left out
+TINY = Settings(rounds=1, warmup=1, epochs_per_round=1, repeats=1, loading_seconds=0.2, workers=1)
 
 
 @pytest.fixture(scope="module")
 def figures(tiny_sd15):
     # eager: dynamo's tracing through the real compile path, without inductor's code generation (minutes here)
     # the two figures that start fresh interpreters are checked on their own below, without the trainer's imports
-    return measure(rounds=1, updates=2, resolution=64, loading_seconds=0.2, device="cpu", compile_backend="eager",
-                   fresh_processes=False)
+    return measure(TINY, device="cpu", compile_backend="eager", fresh_processes=False)
+
+
+def test_a_round_times_its_updates_after_the_warm_up():
+    done = Round(durations=[9.0, 2.0, 4.0], waits=[5.0, 1.0, 0.0])
+    assert done.steady(1) == (3.0, 0.5)
+    with pytest.raises(ValueError, match="none after its 3 warm-up"):
+        done.steady(3)
+
+
+def test_ratios_are_the_median_of_the_rounds_with_their_spread():
+    ours, plain = [(1.1, 0), (2.4, 0), (3.0, 0), (1.0, 0)], [(1.0, 0), (2.0, 0), (3.0, 0), (1.0, 0)]
+    figure = ratio(ours, plain)
+    assert figure["median"] == pytest.approx(1.05) and figure["rounds"] == 4
+    assert (figure["min"], figure["max"]) == (1.0, pytest.approx(1.2))
+    assert figure["range_pct"] == pytest.approx(100 * 0.2 / 1.05)
+    assert spread([2.0])["iqr_pct"] == 0
 
 
 @pytest.mark.slow
 def test_benchmark_figures_come_out(figures):
-    overhead = figures["overhead"]
-    assert overhead["difftune_s_per_update"] > 0 and overhead["bare_s_per_update"] > 0
-    assert overhead["overhead_ratio"] == overhead["difftune_s_per_update"] / overhead["bare_s_per_update"]
-    assert figures["cache_speedup"]["uncached_s_per_update"] > 0
+    uncached, cached = figures["uncached"], figures["cached"]
+    assert set(uncached["loops"]) == {"difftune", "plain_files", "plain_memory"}
+    assert set(cached["loops"]) == {"difftune", "plain_encoded"}
+    for loop in [*uncached["loops"].values(), *cached["loops"].values(), *uncached["loader"].values()]:
+        assert loop["s_per_update"] > 0 and loop["wait_ms_per_update"] >= 0
+    assert set(uncached["loader"]) == {"workers_0", "workers_1"}
+    one_round = uncached["vs_plain_files"]  # one round: its ratio is the two loops' times
+    assert one_round["median"] == pytest.approx(uncached["loops"]["difftune"]["s_per_update"]
+                                                / uncached["loops"]["plain_files"]["s_per_update"])
+    assert cached["vs_plain_encoded"]["rounds"] == 1 and uncached["workers_vs_none"]["rounds"] == 1
+    assert uncached["own_metrics_time_s"]["metrics"] > 0 and uncached["own_metrics_time_s"]["harness"] > 0
+    assert figures["cache_speedup"]["uncached_s_per_update"] == uncached["loops"]["difftune"]["s_per_update"]
     assert {"model_load_s", "caching_s"} <= set(figures["startup"])
-    assert re.search(r"start-up: imports / model load / caching +- / ", table(figures))  # not measured here
+    text = table(figures)
+    assert re.search(r"start-up: imports / model load / caching +- / ", text)  # not measured here
     assert set(figures["data_loading_images_per_s"]) == {"workers_0", "workers_2"}
     assert figures["memory_after_training"]["rss_mib"] > 0
-    assert f"overhead ratio: {overhead['overhead_ratio']:.3f}" in table(figures)
+    assert f"uncached vs plain (a), files every step: {uncached['vs_plain_files']['median']:.3f}" in text
+    assert f"cached vs plain (c), latents and embeddings in memory: {cached['vs_plain_encoded']['median']:.3f}" in text
 
 
 @pytest.mark.slow
@@ -46,8 +75,10 @@ def test_benchmark_command_prints_the_table_and_writes_json(tmp_path, figures, m
     asked = []
     monkeypatch.setattr(benchmarks.run, "measure", lambda *args: asked.append(args) or figures)
     assert main(["--quick", "--compile", "--json", str(tmp_path / "bench.json")]) == 0
-    assert asked == [(*benchmarks.run.QUICK, "cpu", "inductor")]
-    assert f"overhead ratio: {figures['overhead']['overhead_ratio']:.3f}" in capsys.readouterr().out
+    assert main(["--rounds", "3", "--workers", "2"]) == 0
+    assert asked == [(benchmarks.run.QUICK, "cpu", "inductor"),
+                     (replace(benchmarks.run.FULL, rounds=3, workers=2), "cpu", None)]
+    assert "uncached vs plain (b), pixels and ids in memory" in capsys.readouterr().out
     assert json.loads((tmp_path / "bench.json").read_text())["compile"]["backend"] == "eager"
 
 

@@ -23,7 +23,7 @@ from jobs.process.base_process import BaseProcess, StopRequested
 from toolkit.config.loader import check_paths
 from toolkit.config.schema import SDTrainerConfig
 from toolkit.data.dataset import scan_datasets
-from toolkit.data.training_data import TrainingData
+from toolkit.data.training_data import TrainingData, usable_cores
 from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, modules_on, torch_dtype
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
@@ -46,6 +46,7 @@ from toolkit.train.optimizers import (
     logged_lr,
     optimizer_figures,
     start_training,
+    unwrapped,
     update_rms,
 )
 from toolkit.train.plan import Position, TrainingPlan, accumulation_window
@@ -145,7 +146,8 @@ class BaseSDTrainProcess(BaseProcess):
         self.optimizer = build_optimizer(cfg.train.optimization, self.param_groups)
         self.ema = LoraEMA(cfg.train.ema, self.lora_params) if cfg.train.ema is not None else None
         self.prepare_components()
-        self.lr_scheduler = build_lr_scheduler(cfg.train.lr_schedule, self.optimizer, self.plan)
+        self.stepper = self.optimizer_that_steps()
+        self.lr_scheduler = build_lr_scheduler(cfg.train.lr_schedule, self.stepper, self.plan)
         model_name = cfg.model.name_or_path if cfg.save.metadata == "full" else reduce_path(cfg.model.name_or_path)
         renderer = SampleRenderer(cfg.sample, cfg.trigger_word, self.folder.samples, model_name)
         if renderer.enabled:
@@ -262,7 +264,11 @@ class BaseSDTrainProcess(BaseProcess):
         """accelerate wraps the model, optimizer and dataloader; the LR scheduler is not prepared (it steps once
         per real update here, whatever the process count)."""
         acc = self.accelerator
-        dataloader = self.data.make_dataloader(pin_memory=acc.device.type == "cuda")
+        workers = self.data.num_workers(self.runtime.processes_here)
+        if self.config.train.runtime.num_workers is None and acc.is_main_process:
+            log.info("data loader: %d worker process(es) per training process (train.num_workers unset: chosen "
+                     "for %d cores)", workers, usable_cores())
+        dataloader = self.data.make_dataloader(pin_memory=acc.device.type == "cuda", workers=workers)
         if len(self.adapter.denoisers()) > 1:
             # experts: an update trains one of them, so the others' LoRA gets no gradient that update
             self.runtime.allow_unused_parameters()
@@ -282,6 +288,14 @@ class BaseSDTrainProcess(BaseProcess):
             log.warning("the dataloader yields %d micro-batches per process per epoch, the plan said %d; "
                         "recomputing the plan from the real length", real, self.plan.micro_batches_per_epoch)
             self.plan = self.plan.with_micro_batches(real)
+
+    def optimizer_that_steps(self) -> torch.optim.Optimizer:
+        """What takes each step (and clears the gradients after it): accelerate's wrapper where a GradScaler needs it
+        (fp16), else the optimizer it wraps. The trainer steps only on updates whose gradients are in sync, where the
+        wrapper's step is the optimizer's own plus, at every step, a search of the disk for an optional package and a
+        signature check (about 0.1 ms of host time per update, docs/performance.md). The LR scheduler is built on
+        the same object, so that it sees each step."""
+        return self.optimizer if self.accelerator.scaler is not None else unwrapped(self.optimizer)
 
     def keep_frozen_out_of_ddp(self, module: torch.nn.Module) -> None:
         """DDP broadcasts every parameter at start and every buffer at each forward. The frozen base is loaded the
@@ -338,7 +352,7 @@ class BaseSDTrainProcess(BaseProcess):
             samples += len(batch["indices"])
             with acc.accumulate(self.trained_module):
                 loss, parts = self.train_step(batch, pos.epoch, micro_batch)
-                acc.backward(loss * self.loss_scale(micro_batch))
+                self.backward(loss, micro_batch)
                 window.append({"loss": loss.detach(), **parts})
                 if not acc.sync_gradients:
                     continue
@@ -367,6 +381,17 @@ class BaseSDTrainProcess(BaseProcess):
             self.monitor.timestep_stats.add(result.u, result.per_sample)
         return result.loss, result.parts
 
+    def backward(self, loss: torch.Tensor, micro_batch: int) -> None:
+        """The micro-batch's gradients, through accelerate (which divides the loss by `gradient_accumulation` and
+        scales it for fp16) with the short-window scale (`loss_scale`). Without accumulation or a GradScaler both
+        are a division and a multiplication by 1, exact: the loss's own backward then gives the same gradients
+        without two more nodes to run."""
+        if self.config.train.gradient_accumulation == 1 and self.accelerator.scaler is None:
+            loss.backward()
+            return
+        scale = self.loss_scale(micro_batch)
+        self.accelerator.backward(loss if scale == 1 else loss * scale)
+
     def loss_scale(self, micro_batch: int) -> float:
         """accelerate divides every loss by `gradient_accumulation`; a short last window of k micro-batches is
         scaled back up by A / k so that its gradient is the mean over its k micro-batches."""
@@ -379,12 +404,12 @@ class BaseSDTrainProcess(BaseProcess):
         acc = self.accelerator
         if self.text_params and acc.num_processes > 1:
             self.average_text_encoder_grads()
-        grad_norm = acc.clip_grad_norm_(self.lora_params, self.config.train.max_grad_norm or float("inf"))
+        grad_norm = self.clip_gradients()
         lr, *others = self.lr_scheduler.get_last_lr()
         self.text_encoder_lr = others[0] if others else None
         self.step_figures = optimizer_figures(self.optimizer)  # before the step: Prodigy's d for this update
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.stepper.step()
+        self.stepper.zero_grad(set_to_none=True)
         if acc.optimizer_step_was_skipped:
             log.warning("optimizer step skipped (non-finite gradients); the LR schedule does not advance")
             return None
@@ -392,13 +417,21 @@ class BaseSDTrainProcess(BaseProcess):
         self.position.global_step += 1
         if self.ema is not None:
             self.ema.after_update(self.position.global_step)
-        names = list(window[0])  # every micro-batch of an update has the same parts, on every process
-        means = torch.stack([torch.stack([parts[name] for parts in window]).float().mean() for name in names])
+        means = window_means(window)
+        names = list(window[0])
         if acc.num_processes > 1:
             means = acc.reduce(means, reduction="mean")  # one collective, queued like the rest
         grad_norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=means.device).reshape(1)
         return UpdateValues(self.position.global_step, self.position.epoch, lr, names + ["grad_norm"],
                             torch.cat([means, grad_norm]))
+
+    def clip_gradients(self) -> torch.Tensor:
+        """The gradients' total norm (a device value), the gradients clipped to `train.max_grad_norm` (0: not
+        clipped). fp16 gradients are unscaled first (accelerate's `unscale_gradients`, nothing otherwise); then
+        torch's own clipping, which is what accelerate's `clip_grad_norm_` comes to for DDP or one process, without
+        its grouping of the parameters by device mesh for sharded training (difftune shards none) at every update."""
+        self.accelerator.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.train.max_grad_norm or float("inf"))
 
     def average_text_encoder_grads(self) -> None:
         """The text encoders are not wrapped in DDP (their LoRA is small, and wrapping would route every prompt
@@ -587,3 +620,12 @@ class BaseSDTrainProcess(BaseProcess):
         else:
             write_comfy_file(path, components, dtype, metadata, hashes)
 
+
+def window_means(window: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Each named part's mean over the micro-batches of an update, float32, in the order of the first's names
+    (every micro-batch of an update has the same parts, on every process). A window of one micro-batch is its
+    values as they are (the mean of one value is that value): one stack instead of a stack and a mean per part."""
+    names = list(window[0])
+    if len(window) == 1:
+        return torch.stack([window[0][name] for name in names]).float()
+    return torch.stack([torch.stack([parts[name] for parts in window]).float().mean() for name in names])

@@ -309,8 +309,12 @@ class RuntimeSection(Section):
         "inductor", description="torch.compile backend for `compile`: inductor generates fused kernels; aot_eager "
         "and eager only trace (quick checks that the model compiles at all)."
     )
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes.",
-                             json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
+    num_workers: int | None = Field(
+        None, ge=0, description="DataLoader worker processes per training process. Unset: chosen from the CPU cores "
+        "this process may use, shared by the training processes on the machine: none below 4 cores per process, else "
+        "half of them, at most 4; none when every latent is cached in memory. On small machines workers cost more "
+        "than they give (docs/performance.md).",
+        json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
     persistent_workers: bool = Field(True, description="Keep the DataLoader workers alive between epochs "
                                      "(with num_workers > 0) instead of starting them again each epoch.",
                                      json_schema_extra=aka("persistent_data_loader_workers"))

@@ -309,10 +309,11 @@ def load_pixels(item: TrainItem, variant: Variant | None = None) -> torch.Tensor
         return _clip_pixels(item, variant)
     try:
         with Image.open(item.record.path) as opened:
-            image = ImageOps.exif_transpose(opened).convert("RGB")
+            ImageOps.exif_transpose(opened, in_place=True)  # in place: no copy of an upright picture
+            image = opened.convert("RGB")
     except Exception as err:
         raise DatasetError(f"cannot read image {item.record.path}: {err}") from err
-    return _mirrored(torch.from_numpy(_fit(image, item.bucket, variant)).permute(2, 0, 1).div(127.5).sub(1.0), variant)
+    return _mirrored(_signed(torch.from_numpy(_fit(image, item.bucket, variant))).permute(2, 0, 1), variant)
 
 
 def _clip_pixels(item: TrainItem, variant: Variant | None) -> torch.Tensor:
@@ -325,8 +326,13 @@ def _clip_pixels(item: TrainItem, variant: Variant | None) -> torch.Tensor:
         if index not in fitted:
             fitted[index] = _fit(Image.fromarray(frame), item.bucket, variant)
     array = np.stack([fitted[index] for index in item.record.clip.indices])
-    pixels = _mirrored(torch.from_numpy(array).permute(3, 0, 1, 2).div(127.5).sub(1.0), variant)
+    pixels = _mirrored(_signed(torch.from_numpy(array)).permute(3, 0, 1, 2), variant)
     return pixels[:, 0] if pixels.shape[1] == 1 else pixels
+
+
+def _signed(pixels: torch.Tensor) -> torch.Tensor:
+    """0-255 pixel values (a float tensor of its own) as -1 to 1, in place: no second and third copy of the picture."""
+    return pixels.div_(127.5).sub_(1.0)
 
 
 def mask_values(picture: Image.Image) -> np.ndarray:

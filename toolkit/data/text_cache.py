@@ -53,14 +53,28 @@ class LiveCaptions:
     def __init__(self, adapter: ModelAdapter, dataset: ImageDataset, cfgs: list[DatasetConfig], seed: int,
                  trigger_word: str | None):
         self.adapter, self.dataset, self.cfgs, self.seed, self.trigger_word = adapter, dataset, cfgs, seed, trigger_word
+        #: each dataset's caption-view keys, and whether its views draw anything
+        self.settings = [view_settings(cfg) for cfg in cfgs]
+        self.fixed = [not draws_views(cfg) for cfg in cfgs]
+        #: the one view of each sample whose dataset draws none (the same text every epoch), made when first asked for
+        self.fixed_views: dict[int, str] = {}
 
     def start_epoch(self, epoch: int) -> None:
         pass
 
     def caption(self, index: int, epoch: int) -> str:
+        """The sample's caption view this epoch; where its dataset draws nothing (no dropout, no shuffle) the view is
+        the same every epoch, made once."""
         item = self.dataset.items[index]
-        return process_caption(item.record.caption, seeded_generator(self.seed, "caption", epoch, index),
-                               **view_settings(self.cfgs[item.dataset]), trigger_word=self.trigger_word, blank=BLANK)
+        if not self.fixed[item.dataset]:
+            return self.view(item.record.caption, item.dataset, seeded_generator(self.seed, "caption", epoch, index))
+        if index not in self.fixed_views:
+            self.fixed_views[index] = self.view(item.record.caption, item.dataset, torch.Generator())
+        return self.fixed_views[index]
+
+    def view(self, caption: str, dataset: int, generator: torch.Generator) -> str:
+        return process_caption(caption, generator, **self.settings[dataset], trigger_word=self.trigger_word,
+                               blank=BLANK)
 
     def embeds_for(self, indices: list[int], epoch: int) -> PromptEmbeds:
         return self.adapter.encode_prompts([self.caption(i, epoch) for i in indices])
@@ -70,6 +84,12 @@ def view_settings(cfg: DatasetConfig) -> dict:
     """A dataset's caption-view keys, as both caption sources hand them to the plan."""
     return {"shuffle": cfg.shuffle_tokens, "keep_tokens": cfg.keep_tokens,
             "caption_dropout_rate": cfg.caption_dropout_rate, "token_dropout_rate": cfg.token_dropout_rate}
+
+
+def draws_views(cfg: DatasetConfig) -> bool:
+    """Whether a dataset's caption views draw from their generator (`plan_caption_view` draws for caption dropout,
+    token dropout and shuffling only): without any, every view of a caption is the same."""
+    return bool(cfg.shuffle_tokens or cfg.caption_dropout_rate or cfg.token_dropout_rate)
 
 
 def offset_token_spans(tokenizer, text: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -307,6 +327,8 @@ class CachedCaptions:
         moved (`view_positions`), its mask and length to match; the pooled embedding stays the whole caption's."""
         key = self.own_key(index)
         cfg = self.cfgs[self.dataset.items[index].dataset]
+        if not draws_views(cfg):  # every view is the whole caption: the entry as written
+            return dict(self.load(key))
         segments = split_segments(key)
         plan = plan_caption_view(segments, seeded_generator(self.seed, "caption", epoch, index),
                                  **view_settings(cfg), trigger_word=self.trigger_word)

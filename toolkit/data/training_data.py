@@ -8,6 +8,7 @@ loader's workers never run the image encoder, which then stays on the device."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -84,14 +85,31 @@ class TrainingData:
             self.conditioning = LiveCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word)
         placement.keep_on_device(adapter.image_encoder_modules() + adapter.text_encoder_modules())
 
-    def make_dataloader(self, pin_memory: bool) -> torch.utils.data.DataLoader:
+    def num_workers(self, processes: int = 1) -> int:
+        """`train.num_workers`, or where it is unset (None) the count `default_num_workers` chooses for this
+        machine's cores shared by `processes` training processes on it; none where no batch reads a file (every
+        latent cached in memory, no variant encoded later): workers would only hand batches over."""
+        configured = self.train.runtime.num_workers
+        if configured is not None:
+            return configured
+        return default_num_workers(usable_cores(), processes) if self.reads_files() else 0
+
+    def reads_files(self) -> bool:
+        """Whether loading a batch reads files: images or clips decoded, or latents read from a disk cache."""
+        cache = self.dataset.latents
+        return cache is None or not cache.covers_everything or cache.grows or any(cache.to_disk.values())
+
+    def make_dataloader(self, pin_memory: bool, workers: int | None = None,
+                        processes: int = 1) -> torch.utils.data.DataLoader:
+        """The dataloader of the batch order; `workers` overrides `num_workers(processes)`."""
         runtime = self.train.runtime
+        workers = self.num_workers(processes) if workers is None else workers
         return torch.utils.data.DataLoader(
             self.dataset,
             batch_sampler=self.batch_sampler,
             collate_fn=collate,
-            num_workers=runtime.num_workers,
-            persistent_workers=runtime.num_workers > 0 and runtime.persistent_workers,
+            num_workers=workers,
+            persistent_workers=workers > 0 and runtime.persistent_workers,
             pin_memory=pin_memory,
             # Each new iterator draws a worker seed; its own generator keeps that draw out of the global RNG, so a
             # resumed run (which starts an iterator mid-epoch) sees the same global RNG stream.
@@ -116,3 +134,28 @@ class TrainingData:
 
     def embeds_for(self, batch: dict, epoch: int) -> PromptEmbeds:
         return self.conditioning.embeds_for(batch["indices"], epoch)
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or `taskset`'s limit), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: the fewest cores per training process for which it gets loader workers, and the most workers it gets
+CORES_FOR_WORKERS = 4
+MAX_WORKERS = 4
+
+
+def default_num_workers(cpu_count: int, processes: int = 1) -> int:
+    """DataLoader workers per training process where `train.num_workers` is unset: none below 4 cores per process,
+    else half of its cores, at most 4. A worker process decodes ahead of the training loop, but it hands each batch
+    over (its tensors passed through shared memory: about 1-1.5 ms per batch on the process that receives them, more
+    than decoding a small image takes) and it shares the cores with the training process, whose own Python loop and
+    torch threads need them: on 2 cores a worker cost more than it gave (docs/performance.md). Half of the cores
+    leaves the other half to the training process; 4 workers decode a few hundred large images a second, more than
+    a training step consumes."""
+    per_process = cpu_count // max(1, processes)
+    return 0 if per_process < CORES_FOR_WORKERS else min(MAX_WORKERS, per_process // 2)

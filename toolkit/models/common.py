@@ -29,7 +29,7 @@ def place_frozen(denoiser: torch.nn.Module, encoders: list[torch.nn.Module], dev
 @torch.no_grad()
 def vae_latent_dist(vae, pixels: torch.Tensor) -> LatentDist:
     """The VAE posterior of pixels in [-1, 1]: mean and std, before sampling."""
-    posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    posterior = vae.encode(pixels.to(**weights_placement(vae))).latent_dist
     return LatentDist(posterior.mean, posterior.std)
 
 
@@ -169,3 +169,10 @@ def subfolder_weight_files(source: str, subfolder: str, variant: str | None, rev
     folder = snapshot_download(source, allow_patterns=[f"{subfolder}/*.json", weights], revision=revision,
                                ignore_patterns=None if variant else [f"{subfolder}/*.*.safetensors"])
     return weight_files(Path(folder) / subfolder, variant)
+
+
+def weights_placement(module: torch.nn.Module) -> dict:
+    """The device and dtype of a module's first weight, for `.to(**...)`: diffusers' `.device` and `.dtype` walk
+    every submodule (about 0.35 ms each on a VAE, twice per encoded batch; docs/performance.md)."""
+    weight = next(module.parameters())
+    return {"device": weight.device, "dtype": weight.dtype}

@@ -99,6 +99,12 @@ class RunAccelerator:
         )
         self.host_group = host_process_group(self.accelerator.num_processes)
 
+    @property
+    def processes_here(self) -> int:
+        """The training processes on this machine (they share its cores): the launcher's LOCAL_WORLD_SIZE, else all
+        of the run's."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
+
     def allow_unused_parameters(self) -> None:
         """Before the model is prepared: DDP expects parameters of the wrapped model that get no gradient in a step
         (e.g. the experts an update does not train); their gradients stay unset, so the optimizer skips them."""

@@ -24,6 +24,11 @@ ACTIONS = ("stop", "save", "sample")
 STATES = ("running", "stopped", "finished", "failed")
 #: a run on another machine that has not rewritten its status.json for this long is no longer taken as running
 STALE_S = 600.0
+#: control/ unchanged since a reading that found it empty is read again after this long all the same (a clock or a
+#: network file system that stamps a new request with the folder's old time delays it by this much at most)
+RELIST_S = 1.0
+#: a folder changed this recently may change again within the same tick of the file system's clock
+SETTLED_S = 1.0
 
 
 def request(run_dir: Path, action: str) -> Path:
@@ -41,15 +46,19 @@ def request(run_dir: Path, action: str) -> Path:
 
 
 def pending(run_dir: Path) -> dict[str, list[Path]]:
-    """The request files waiting, by action (files that are not requests are left alone)."""
+    """The request files waiting, by action, oldest first (files that are not requests are left alone). The
+    trainer asks at every update: one directory read, and Paths made only for the requests found."""
     folder = run_dir / CONTROL_DIR
     found: dict[str, list[Path]] = {action: [] for action in ACTIONS}
-    if not folder.is_dir():
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(entry.name for entry in entries if entry.name.endswith(".json"))
+    except (FileNotFoundError, NotADirectoryError):
         return found
-    for path in sorted(folder.glob("*.json")):
-        action = path.stem.rsplit("-", 1)[-1]
+    for name in names:
+        action = name[: -len(".json")].rsplit("-", 1)[-1]
         if action in found:
-            found[action].append(path)
+            found[action].append(folder / name)
     return found
 
 
@@ -199,6 +208,9 @@ class RunMonitor:
                              total=previous.total if previous and not total else total)
         self.heartbeat_s = heartbeat_s
         self.taken: list[Path] = []
+        #: control/'s (inode, modification time) when last read empty, and when that was (`may_hold_requests`)
+        self.quiet: tuple[tuple[int, int], float] | None = None
+        self.control_dir = str(run_dir / CONTROL_DIR)  # stat'ed at every update: no Path made each time
         #: whether this run's plan (and resumed step) is known: until then its step is the folder's last known
         self.planned = False
 
@@ -210,12 +222,40 @@ class RunMonitor:
             self._write("running", step)
 
     def take_requests(self) -> dict[str, bool]:
-        """Which actions are requested now; the files are removed by `acknowledge` once acted on."""
-        if not self.enabled:
+        """Which actions are requested now; the files are removed by `acknowledge` once acted on. Asked at every
+        update: control/ is read only where it may have changed since it was last found empty (`may_hold_requests`)."""
+        if not self.enabled or not self.may_hold_requests():
             return {action: False for action in ACTIONS}
         found = pending(self.run_dir)
         self.taken = [path for paths in found.values() for path in paths]
+        if not self.taken:
+            self.remember_empty()
         return {action: bool(paths) for action, paths in found.items()}
+
+    def may_hold_requests(self) -> bool:
+        """False where control/ is missing, or is as it was (inode and modification time) when it was last read and
+        found empty, that reading was settled (`remember_empty`) and less than `RELIST_S` ago: one stat instead of a
+        directory read per update. A request file created since would have changed the folder's time."""
+        try:
+            folder = os.stat(self.control_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        quiet = self.quiet
+        return (quiet is None or quiet[0] != (folder.st_ino, folder.st_mtime_ns)
+                or time.monotonic() - quiet[1] >= RELIST_S)
+
+    def remember_empty(self) -> None:
+        """control/ was just read and held no request: remember its inode and time, where they can be trusted to
+        change with the next request. A file system stamps times with a coarse clock (a tick of milliseconds), so a
+        file created in the same tick as the folder's last change would leave its time as it was: a folder changed
+        less than `SETTLED_S` ago is read again at the next update."""
+        try:
+            folder = os.stat(self.control_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            self.quiet = None
+            return
+        settled = time.time_ns() - folder.st_mtime_ns >= SETTLED_S * 1e9
+        self.quiet = ((folder.st_ino, folder.st_mtime_ns), time.monotonic()) if settled else None
 
     def drop_stale_requests(self) -> int:
         """Remove requests made before this run started (e.g. sent to a run that had already finished)."""

@@ -33,6 +33,8 @@ from toolkit.run.sampling import Sampler
 from toolkit.train.plan import TrainingPlan
 
 log = logging.getLogger("difftune")
+#: how old the memory figures of a metrics line may be
+MEMORY_READ_S = 1.0
 
 
 @dataclass
@@ -74,8 +76,13 @@ class Monitor:
         self.timestep_stats = TimestepStats() if logging_cfg.debug_timesteps else None
         self.sampler: Sampler | None = None
         self.plan: TrainingPlan | None = None
-        self.smoothed_loss: torch.Tensor | None = None  # on the device, like the losses it follows
+        #: the progress bar's smoothed loss (a host value), and the losses it has not followed yet (still on the
+        #: device: each update's values and where its loss is among them)
+        self.smoothed_loss: float | None = None
+        self.unread_losses: list[tuple[torch.Tensor, int]] = []
         self.postfix_shown_at = 0.0
+        self.memory: dict[str, float] | None = None
+        self.memory_read_at = 0.0
         self.progress: tqdm | None = None
 
     @property
@@ -139,11 +146,13 @@ class Monitor:
         """The metrics line of a logged update (and the progress bar at most once a second): the only reads of
         device values. `readings()` gives the optimizer's own figures (LR it used, update RMS) for that line;
         `evaluated` (the validation figures of this update's weights) makes the update a logged one."""
-        loss = update.loss
-        self.smoothed_loss = loss if self.smoothed_loss is None else self.smoothed_loss + 0.1 * (loss - self.smoothed_loss)
+        shown = self.progress_enabled
+        # kept as they are until the next host read: no device operation per update for the smoothed loss (the
+        # bar's, and every metrics line's `smoothed_loss`, with or without a bar)
+        self.unread_losses.append((update.values, update.names.index("loss")))
         logged = (update.step % self.cfg.log_every == 0 or update.step == self.plan.total_updates
                   or evaluated is not None)
-        postfix_due = self.progress_enabled and time.monotonic() - self.postfix_shown_at >= 1.0
+        postfix_due = shown and time.monotonic() - self.postfix_shown_at >= 1.0
         if logged or postfix_due:
             record = self.host_record(update, readings()) | (evaluated or {})
             if logged:
@@ -158,12 +167,25 @@ class Monitor:
 
     def host_record(self, update: UpdateValues, readings: dict) -> dict:
         """The update's values on the host (one transfer, which waits for the device), with the LR it used and
-        the throughput since the last logged update."""
-        values = torch.cat([update.values, self.smoothed_loss.float().reshape(1)]).tolist()
-        record = {"step": update.step, "epoch": update.epoch, **dict(zip(update.names, values[:-1]))}
-        record["smoothed_loss"] = values[-1]
+        the throughput since the last logged update. The losses the progress bar has not followed yet come in the
+        same transfer and move its smoothed loss (`smoothed_loss`: the bar and the metrics line)."""
+        unread = [values[index].reshape(1) for values, index in self.unread_losses]
+        values = torch.cat([update.values, *unread]).float().tolist() if unread else update.values.tolist()
+        self.unread_losses = []
+        for loss in values[len(update.names):]:
+            self.smoothed_loss = loss if self.smoothed_loss is None else self.smoothed_loss + 0.1 * (loss - self.smoothed_loss)
+        record = {"step": update.step, "epoch": update.epoch, **dict(zip(update.names, values))}
+        record["smoothed_loss"] = self.smoothed_loss
         record.update(readings)
         return record | self.throughput.read()
+
+    def memory_reading(self) -> dict[str, float]:
+        """The memory fields of a metrics line, read at most once a second (the process's memory changes slowly;
+        reading it is a file read per line, which with `log_every: 1` is one per update)."""
+        now = time.monotonic()
+        if self.memory is None or now - self.memory_read_at >= MEMORY_READ_S:
+            self.memory, self.memory_read_at = memory_fields(), now
+        return self.memory
 
     def log_evaluation(self, step: int, epoch: int, evaluated: dict[str, float]) -> None:
         """A metrics line of validation figures alone: those of the weights before the first update (step 0)."""
@@ -177,7 +199,7 @@ class Monitor:
         record = {k: v for k, v in record.items() if k != "smoothed_loss"}
         if self.timestep_stats is not None:
             record.update(self.timestep_stats.flush())
-        record.update(memory_fields())
+        record.update(self.memory_reading())
         self.metrics.write(record)
         if self.cfg.tensorboard:
             self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])

@@ -67,8 +67,10 @@ class DiffusionObjective:
 
         latents = self.batch_latents(batch, draws("latent_sample"))
         # drawn on the host (the same numbers on every device type), sent without waiting for the device
-        noise = to_device(noise_offset(torch.randn(latents.shape, generator=draws("noise")), cfg.noise_offset,
-                                       draws("noise_offset")), latents.device)
+        noise = torch.randn(latents.shape, generator=draws("noise"))
+        if cfg.noise_offset:  # its generator only where it draws (offset 0 draws nothing)
+            noise = noise_offset(noise, cfg.noise_offset, draws("noise_offset"))
+        noise = to_device(noise, latents.device)
         u, sampler_weight = self.draw_timesteps(latents, draws("timestep"), at)
         timesteps = to_device(schedule.timesteps(u), latents.device)
         noisy = schedule.add_noise(latents, noise, timesteps)

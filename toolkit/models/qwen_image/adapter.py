@@ -44,6 +44,7 @@ from toolkit.models.common import (
     place_frozen,
     subfolder_weight_files,
     transformers_quantization,
+    weights_placement,
 )
 from toolkit.models.qwen_image.config import FACTS, QwenImageModelConfig
 from toolkit.models.qwen_image.tiny import ensure_tiny_qwen_image
@@ -291,7 +292,7 @@ class QwenImageAdapter(ModelAdapter):
     @torch.no_grad()
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
         """The VAE posterior of one-frame videos ([B, 3, 1, H, W], as the pipeline decodes), frame axis dropped."""
-        posterior = self.vae.encode(pixels.to(device=self.vae.device, dtype=self.vae.dtype).unsqueeze(2)).latent_dist
+        posterior = self.vae.encode(pixels.to(**weights_placement(self.vae)).unsqueeze(2)).latent_dist
         return LatentDist(posterior.mean.squeeze(2), posterior.std.squeeze(2))
 
     def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:

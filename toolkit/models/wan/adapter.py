@@ -43,6 +43,7 @@ from toolkit.models.common import (
     place_frozen,
     subfolder_weight_files,
     transformers_quantization,
+    weights_placement,
 )
 from toolkit.models.wan.config import FACTS, WanModelConfig
 from toolkit.models.wan.tiny import ensure_tiny_wan21, ensure_tiny_wan22_5b, ensure_tiny_wan22_a14b
@@ -424,7 +425,7 @@ class WanAdapter(ModelAdapter):
         """The VAE posterior of clips [B, 3, F, H, W] (images [B, 3, H, W] are one-frame clips)."""
         if pixels.dim() == 4:
             pixels = pixels.unsqueeze(2)
-        posterior = self.vae.encode(pixels.to(device=self.vae.device, dtype=self.vae.dtype)).latent_dist
+        posterior = self.vae.encode(pixels.to(**weights_placement(self.vae))).latent_dist
         return LatentDist(posterior.mean, posterior.std)
 
     def latents_from_dist(self, dist: LatentDist, generator: torch.Generator | None = None) -> torch.Tensor:

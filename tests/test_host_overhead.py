@@ -1,0 +1,100 @@
+"""What the training loop does on the host at every update is kept small without changing what it decides or draws:
+control/ read only where it may have changed, caption views that draw nothing made once, an update's values
+averaged without an operation per part, and the default number of loader workers chosen from the cores."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from jobs.process.base_sd_train_process import window_means
+from toolkit.data.captions import process_caption
+from toolkit.data.text_cache import LiveCaptions, draws_views
+from toolkit.data.training_data import TrainingData, default_num_workers
+from toolkit.run import control
+from toolkit.run.control import RunMonitor
+
+
+def test_a_request_is_seen_at_the_next_look_however_soon_it_follows(tmp_path):
+    """The folder changed within the last second is read at every look: a request made in the same tick of the file
+    system's clock as the last change (which leaves the folder's time as it was) is not missed."""
+    control.Status(state="running").write(tmp_path)
+    run = RunMonitor(tmp_path, enabled=True, total=0)
+    assert not any(run.take_requests().values())  # no control/ yet
+    for action in ("save", "stop", "sample"):
+        control.request(tmp_path, action)
+        assert run.take_requests()[action]
+        run.acknowledge()
+        assert not any(run.take_requests().values())
+
+
+def test_a_settled_empty_control_folder_is_only_stated(tmp_path, monkeypatch):
+    run = RunMonitor(tmp_path, enabled=True, total=0)
+    (tmp_path / control.CONTROL_DIR).mkdir()
+    old = time.time_ns() - 5 * 10**9
+    os.utime(tmp_path / control.CONTROL_DIR, ns=(old, old))
+    reads = []
+    real_pending = control.pending
+    monkeypatch.setattr(control, "pending", lambda run_dir: reads.append(run_dir) or real_pending(run_dir))
+    for _ in range(5):
+        assert not any(run.take_requests().values())
+    assert len(reads) == 1  # read once, then known empty until it changes
+    (tmp_path / control.CONTROL_DIR / f"{time.time_ns()}-1-stop.json").write_text("{}")
+    os.utime(tmp_path / control.CONTROL_DIR, ns=(old + 1, old + 1))  # any change of its time is seen
+    assert run.take_requests()["stop"] and len(reads) == 2
+    run.acknowledge()
+    os.utime(tmp_path / control.CONTROL_DIR, ns=(old + 2, old + 2))
+    run.take_requests()
+    monkeypatch.setattr(control, "RELIST_S", 0.0)  # and it is read again after a while whatever its time says
+    run.take_requests()
+    assert len(reads) == 4
+
+
+def test_captions_that_draw_no_view_are_made_once_and_as_before():
+    items = [SimpleNamespace(record=SimpleNamespace(caption="a  cat,dog ,  shp"), dataset=0),
+             SimpleNamespace(record=SimpleNamespace(caption="shp, b, c, d"), dataset=1)]
+    plain = SimpleNamespace(shuffle_tokens=False, keep_tokens=1, caption_dropout_rate=0.0, token_dropout_rate=0.0)
+    shuffled = SimpleNamespace(shuffle_tokens=True, keep_tokens=1, caption_dropout_rate=0.0, token_dropout_rate=0.0)
+    assert not draws_views(plain) and draws_views(shuffled)
+    captions = LiveCaptions(None, SimpleNamespace(items=items), [plain, shuffled], seed=3, trigger_word="shp")
+    generator = torch.Generator().manual_seed(0)
+    expected = process_caption(items[0].record.caption, generator, shuffle=False, keep_tokens=1, trigger_word="shp")
+    assert captions.caption(0, 0) == captions.caption(0, 7) == expected == "a  cat, dog, shp"
+    assert list(captions.fixed_views) == [0]
+    assert {captions.caption(1, epoch) for epoch in range(12)} != {"shp, b, c, d"}  # shuffled: drawn each epoch
+
+
+def test_an_update_averages_its_parts_as_before():
+    one = [{"loss": torch.tensor(0.25), "loss_main": torch.tensor(0.125, dtype=torch.bfloat16)}]
+    assert torch.equal(window_means(one), torch.tensor([0.25, 0.125]))
+    window = [{"loss": torch.tensor(v), "loss_bpp": torch.tensor(2 * v)} for v in (0.1, 0.2, 0.4)]
+    expected = torch.stack([torch.stack([p[n] for p in window]).float().mean() for n in ("loss", "loss_bpp")])
+    assert torch.equal(window_means(window), expected)
+
+
+@pytest.mark.parametrize(("cores", "processes", "workers"), [
+    (1, 1, 0), (2, 1, 0), (3, 1, 0), (4, 1, 2), (6, 1, 3), (8, 1, 4), (64, 1, 4), (16, 4, 2), (16, 8, 0), (0, 1, 0),
+])
+def test_the_default_number_of_loader_workers_follows_the_cores(cores, processes, workers):
+    assert default_num_workers(cores, processes) == workers
+
+
+def test_unset_num_workers_is_chosen_and_a_set_one_is_kept(monkeypatch):
+    import toolkit.data.training_data as training_data
+
+    monkeypatch.setattr(training_data, "usable_cores", lambda: 8)
+    data = TrainingData.__new__(TrainingData)
+    data.dataset = SimpleNamespace(latents=None)
+    data.train = SimpleNamespace(runtime=SimpleNamespace(num_workers=None))
+    assert data.num_workers() == 4 and data.num_workers(processes=2) == 2
+    in_memory = SimpleNamespace(covers_everything=True, grows=False, to_disk={0: False})
+    data.dataset = SimpleNamespace(latents=in_memory)
+    assert data.num_workers() == 0  # nothing to read: workers would only hand batches over
+    data.dataset = SimpleNamespace(latents=SimpleNamespace(covers_everything=True, grows=False, to_disk={0: True}))
+    assert data.num_workers() == 4
+    data.train = SimpleNamespace(runtime=SimpleNamespace(num_workers=3))
+    assert data.num_workers() == 3
