@@ -64,6 +64,23 @@ def test_target_follows_the_scheduler_prediction_type(prediction_type):
     assert torch.allclose(schedule.target(latents, noise, t), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zero_terminal_snr", [False, True])
+def test_noise_and_velocity_equal_diffusers_bit_for_bit(dtype, zero_terminal_snr):
+    """The roots are made once per device and dtype; the noisy latents and v targets stay diffusers' own values,
+    at every timestep (a resumed run of an older version draws the same examples)."""
+    scheduler = DDPMScheduler(num_train_timesteps=1000, prediction_type="v_prediction",
+                              rescale_betas_zero_snr=zero_terminal_snr)
+    schedule = DDPMNoiseSchedule(scheduler)
+    reference = DDPMScheduler.from_config(scheduler.config)
+    for t in (torch.arange(1000), torch.tensor([0]), torch.tensor([999, 3, 500])):
+        latents = torch.randn(len(t), 4, 6, 6).to(dtype)
+        noise = torch.randn(len(t), 4, 6, 6).to(dtype)
+        assert torch.equal(schedule.add_noise(latents, noise, t), reference.add_noise(latents, noise, t))
+        assert torch.equal(schedule.target(latents, noise, t), reference.get_velocity(latents, noise, t))
+    assert len(schedule._coefficients) == 1  # one table for the device and dtype, not one per call
+
+
 def test_unsupported_prediction_type_is_refused():
     with pytest.raises(ValueError, match="sample"):
         DDPMNoiseSchedule(DDPMScheduler(prediction_type="sample"))

@@ -59,7 +59,9 @@ FAKE_RUN = """
 import json, os, sys, time
 from pathlib import Path
 job = Path(sys.argv[-1])
-Path(str(job) + ".seen").write_text(json.dumps({"argv": sys.argv, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+# written whole, then renamed: the test polls for the file and must never read it half-written
+Path(str(job) + ".seen.tmp").write_text(json.dumps({"argv": sys.argv, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+os.replace(str(job) + ".seen.tmp", str(job) + ".seen")
 while not Path(str(job) + ".release").exists():
     time.sleep(0.02)
 """

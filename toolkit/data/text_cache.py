@@ -216,6 +216,7 @@ class CachedCaptions:
         self.identity = adapter.encoder_identity("text")
         self.roots = roots
         self._recent = lru_cache(maxsize=RECENT_ENTRIES)(self._read)
+        self.own_keys: dict[int, str] = {}
         self.folder_of = {BLANK: roots[0]}
         for item in dataset.items:
             self.folder_of.setdefault(canonical_caption(item.record.caption), roots[item.dataset])
@@ -307,7 +308,14 @@ class CachedCaptions:
         pass
 
     def own_key(self, index: int) -> str:
-        """The cached entry of a sample's own caption; the trigger word's for a sample without one."""
+        """The cached entry of a sample's own caption; the trigger word's for a sample without one (found once per
+        sample: a sample's caption does not change during a run)."""
+        key = self.own_keys.get(index)
+        if key is None:
+            key = self.own_keys[index] = self.find_own_key(index)
+        return key
+
+    def find_own_key(self, index: int) -> str:
         item = self.dataset.items[index]
         if item.record.caption:
             return canonical_caption(item.record.caption)

@@ -54,18 +54,38 @@ class DDPMNoiseSchedule(NoiseSchedule):
         self.prediction_type = scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"unsupported prediction_type '{self.prediction_type}' in the scheduler config")
+        self._coefficients: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def timesteps(self, u: torch.Tensor) -> torch.Tensor:
         t = (u * self.num_train_timesteps).long()
         return t.clamp(0, self.num_train_timesteps - 1)
 
+    def coefficients(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """sqrt(alpha_bar) and sqrt(1 - alpha_bar) of every timestep, on `device` in `dtype`, made once: diffusers'
+        `add_noise` and `get_velocity` make the table's dtype copy and both roots again at every call (a dozen
+        operations per micro-batch) and move the scheduler's own table to the device."""
+        key = (device, dtype)
+        if key not in self._coefficients:
+            alphas = to_device(self.scheduler.alphas_cumprod, device).to(dtype)
+            self._coefficients[key] = (alphas**0.5, (1 - alphas) ** 0.5)
+        return self._coefficients[key]
+
+    def coefficients_at(self, like: torch.Tensor, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both roots at each sample's timestep, shaped to broadcast over `like` (diffusers' values, bit for bit)."""
+        signal, sigma = self.coefficients(like.device, like.dtype)
+        index = timesteps.to(like.device)
+        shape = (-1,) + (1,) * (like.dim() - 1)
+        return signal[index].reshape(shape), sigma[index].reshape(shape)
+
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        return self.scheduler.add_noise(latents, noise, timesteps)
+        signal, sigma = self.coefficients_at(latents, timesteps)
+        return signal * latents + sigma * noise
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         if self.prediction_type == "epsilon":
             return noise
-        return self.scheduler.get_velocity(latents, noise, timesteps)
+        signal, sigma = self.coefficients_at(latents, timesteps)
+        return signal * noise - sigma * latents
 
     def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
         return snr_from_alphas_cumprod(self.scheduler.alphas_cumprod, timesteps)

@@ -19,6 +19,7 @@ import torch
 from toolkit.device import to_device
 from toolkit.diffusion.schedules import NoiseSchedule
 from toolkit.models.config import FamilyFacts, ModelConfigBase
+from toolkit.models.tokens import Tokens, TokenMemos
 
 
 @dataclass
@@ -273,6 +274,17 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds: ...
+
+    @cached_property
+    def token_memos(self) -> TokenMemos:
+        return TokenMemos()
+
+    def tokenize(self, tokenizer: Any, prompts: list[str], max_length: int, pad_to_max: bool = True,
+                 **options) -> Tokens:
+        """`tokenizer(prompts, max_length=max_length, truncation=True, padding="max_length" (or True, to the longest,
+        without `pad_to_max`), return_tensors="pt", **options)`, each prompt tokenized once per run: a live-encoding
+        run reads the same captions every epoch (`toolkit.models.tokens`)."""
+        return self.token_memos.tokenize(tokenizer, prompts, max_length, pad_to_max, **options)
 
     @abstractmethod
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:

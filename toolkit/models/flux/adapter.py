@@ -258,12 +258,10 @@ class FluxAdapter(ModelAdapter):
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """As FluxPipeline.encode_prompt: T5's last hidden state over `max_sequence_length` padded tokens (no
         mask, as the pipeline passes none) and CLIP's pooled output."""
-        clip = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                              truncation=True, return_tensors="pt")
+        clip = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
         pooled = self.text_encoder(to_device(clip.input_ids, self.text_encoder.device),
                                    output_hidden_states=False).pooler_output
-        t5 = self.tokenizer_2(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
-                              return_tensors="pt")
+        t5 = self.tokenize(self.tokenizer_2, prompts, self.max_sequence_length)
         embeds = self.text_encoder_2(to_device(t5.input_ids, self.text_encoder_2.device),
                                      output_hidden_states=False)[0]
         return PromptEmbeds(embeds, lengths=t5.attention_mask.sum(dim=1), pooled=pooled)

@@ -272,8 +272,8 @@ class QwenImageAdapter(ModelAdapter):
         """As QwenImagePipeline.encode_prompt: the templated prompts through the language model (its last hidden
         state; the LM head is not run), the template's first 34 tokens and the padding dropped, cut at
         `max_sequence_length`, zero-padded to the longest prompt with a mask."""
-        tokens = self.tokenizer([PROMPT_TEMPLATE.format(p) for p in prompts], max_length=MAX_TOKENS + TEMPLATE_DROP,
-                                padding=True, truncation=True, return_tensors="pt")
+        tokens = self.tokenize(self.tokenizer, [PROMPT_TEMPLATE.format(p) for p in prompts], MAX_TOKENS + TEMPLATE_DROP,
+                               pad_to_max=False)
         device = self.text_encoder.device
         hidden = self.text_encoder.model(input_ids=to_device(tokens.input_ids, device),
                                          attention_mask=to_device(tokens.attention_mask, device)).last_hidden_state

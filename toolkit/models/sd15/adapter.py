@@ -95,13 +95,7 @@ class SD15Adapter(StableDiffusionAdapter):
         return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, scheduler
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        tokens = self.tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.tokenizer.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        )
+        tokens = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
         with self.text_grad():
             embeds = self.text_encoder(to_device(tokens.input_ids, self.text_encoder.device))[0]
         return PromptEmbeds(embeds, lengths=tokens.attention_mask.sum(dim=1))

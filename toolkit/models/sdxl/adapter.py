@@ -156,8 +156,7 @@ class SDXLAdapter(StableDiffusionAdapter):
         encoder's projected pooled output."""
         hidden, lengths, pooled = [], None, None
         for tokenizer, encoder in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
-            tokens = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                               return_tensors="pt")
+            tokens = self.tokenize(tokenizer, prompts, tokenizer.model_max_length)
             with self.text_grad():
                 output = encoder(to_device(tokens.input_ids, encoder.device), output_hidden_states=True)
             hidden.append(output.hidden_states[-2])

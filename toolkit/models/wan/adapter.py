@@ -398,8 +398,8 @@ class WanAdapter(ModelAdapter):
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """As WanPipeline._get_t5_prompt_embeds: the cleaned prompts through UMT5 (last hidden state), each cut to
         its own tokens (`</s>` included; at most `max_sequence_length`), zero-padded to the longest with a mask."""
-        tokens = self.tokenizer([prompt_clean(p) for p in prompts], max_length=self.max_sequence_length,
-                                padding=True, truncation=True, add_special_tokens=True, return_tensors="pt")
+        tokens = self.tokenize(self.tokenizer, [prompt_clean(p) for p in prompts], self.max_sequence_length,
+                               pad_to_max=False, add_special_tokens=True)
         device = self.text_encoder.device
         hidden = self.text_encoder(to_device(tokens.input_ids, device),
                                    to_device(tokens.attention_mask, device)).last_hidden_state

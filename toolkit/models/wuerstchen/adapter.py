@@ -169,8 +169,7 @@ class WuerstchenAdapter(ModelAdapter):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        tokens = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                                truncation=True, return_tensors="pt")
+        tokens = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
         device = self.text_encoder.device
         output = self.text_encoder(to_device(tokens.input_ids, device), attention_mask=to_device(tokens.attention_mask, device))
         return PromptEmbeds(output.last_hidden_state, lengths=tokens.attention_mask.sum(dim=1))

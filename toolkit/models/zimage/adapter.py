@@ -287,8 +287,7 @@ class ZImageAdapter(ModelAdapter):
         prompt keeps its fixed `max_sequence_length` padding and the mask says which tokens are real, so
         batches, cached entries and the blank prompt stack and concatenate; `predict` drops the padding again.
         """
-        tokens = self.tokenizer([self.chat_prompt(p) for p in prompts], padding="max_length",
-                                max_length=self.max_sequence_length, truncation=True, return_tensors="pt")
+        tokens = self.tokenize(self.tokenizer, [self.chat_prompt(p) for p in prompts], self.max_sequence_length)
         device = self.text_encoder.device
         mask = tokens.attention_mask.bool()
         hidden = self.text_encoder(input_ids=to_device(tokens.input_ids, device), attention_mask=to_device(mask, device),
