@@ -19,7 +19,7 @@ import torch
 from toolkit.device import to_device
 from toolkit.diffusion.schedules import NoiseSchedule
 from toolkit.models.config import FamilyFacts, ModelConfigBase
-from toolkit.models.tokens import Tokens, TokenMemos
+from toolkit.models.tokens import TokenMemos, Tokens
 
 
 @dataclass
