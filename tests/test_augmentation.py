@@ -113,6 +113,8 @@ def variants_seen(cfg: DatasetConfig, adapter, processes: int, workers: int = 0,
                 for index, variant, pixels in zip(batch["indices"], batch["variants"], batch["pixels"], strict=True):
                     seen[(epoch, index)] = variant
                     assert torch.equal(pixels, load_pixels(data.dataset.items[index], variant))
+    # train.decoded_images_gib (1 GiB unset): the training process keeps what it decoded, a loader worker keeps none
+    assert bool(data.dataset.decoded.pictures) == (workers == 0)
     return seen
 
 

@@ -145,3 +145,77 @@ def test_a_mask_folder_that_is_the_image_folder_is_refused(tmp_path):
         with pytest.raises(ValidationError, match="mask_path: the image folder itself.*a folder of their own"):
             DatasetConfig(folder_path=str(tmp_path / "data"), mask_path=mask_path)
     assert DatasetConfig(folder_path=str(tmp_path / "data"), mask_path=str(tmp_path / "masks")).mask_path
+
+
+def noisy_image(path, size, seed):
+    """A picture whose every pixel differs (a crop or flip off by one pixel changes its values)."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def augmented_dataset(folder, **keys):
+    return build_dataset([DatasetConfig(folder_path=str(folder), resolution=[64], random_crop=True, flip_x=True,
+                                        flip_y=True, **keys)], None, divisor=16, seed=3)
+
+
+def test_kept_decoded_images_give_the_same_pixels_for_every_draw_and_are_not_read_again(tmp_path):
+    """A decoded image kept in memory gives, for every drawn crop and flip, the pixels the file gives (bit for bit),
+    and the file is not read for it again; the values are the PIL resize-and-crop ones (what `_fit` makes)."""
+    import numpy as np
+    import torch
+
+    from toolkit.data.dataset import DecodedImages, _fit
+
+    noisy_image(tmp_path / "wide.png", (150, 90), 0)
+    noisy_image(tmp_path / "tall.png", (70, 130), 1)
+    dataset = augmented_dataset(tmp_path)
+    kept = DecodedImages(budget=1 << 30)
+    expected = {}
+    for index, item in enumerate(dataset.items):
+        for epoch in range(6):
+            variant = dataset.variant(index, epoch)
+            fresh = load_pixels(item, variant)
+            with Image.open(item.record.path) as opened:
+                fitted = _fit(opened.convert("RGB"), item.bucket, variant)
+            by_pil = torch.from_numpy(fitted).div_(127.5).sub_(1.0).permute(2, 0, 1)
+            dims = [d for d, flip in ((-1, variant.flip_x), (-2, variant.flip_y)) if flip]
+            assert torch.equal(fresh, by_pil.flip(dims) if dims else by_pil)
+            expected[(index, epoch)] = (variant, fresh)
+            assert torch.equal(load_pixels(item, variant, kept), fresh)
+    assert len({v for v, _ in expected.values()}) > 4  # the draws did vary
+    assert len(kept.pictures) == 2 and kept.used == sum(p.nbytes for p, _ in kept.pictures.values())
+    for item in dataset.items:
+        item.record.path.rename(item.record.path.with_suffix(".gone"))
+    for (index, _), (variant, fresh) in expected.items():
+        pixels = load_pixels(dataset.items[index], variant, kept)
+        assert torch.equal(pixels, fresh)
+        pixels.add_(1.0)  # a sample's pixels are its own: the kept picture is unchanged
+    assert torch.equal(load_pixels(dataset.items[0], expected[(0, 0)][0], kept), expected[(0, 0)][1])
+    assert all(not picture.flags.writeable for picture, _ in kept.pictures.values())
+    assert np.asarray(kept.pictures[next(iter(kept.pictures))][0]).dtype == np.uint8
+
+
+def test_decoded_images_keep_the_first_that_fit_and_none_in_loader_workers(tmp_path, monkeypatch):
+    import torch
+
+    from toolkit.config.sections import TrainConfig
+    from toolkit.data.dataset import DecodedImages
+
+    for i in range(3):
+        noisy_image(tmp_path / f"{i}.png", (64, 64), i)
+    dataset = augmented_dataset(tmp_path)
+    one = 64 * 64 * 3  # an image resized to cover a 64 x 64 bucket, uint8
+    dataset.decoded = DecodedImages(budget=2 * one)
+    for index in range(3):
+        dataset[index]
+    assert [path for path, _ in dataset.decoded.pictures] == [str(item.record.path) for item in dataset.items[:2]]
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())  # as inside a loader worker
+    dataset.decoded = DecodedImages(budget=1 << 30)
+    assert dataset[0]["pixels"].shape == (3, 64, 64) and dataset.decoded.pictures == {}
+    # the budget comes from train.decoded_images_gib; 0 keeps nothing
+    assert TrainConfig(steps=1).decoded_images_gib == 1.0
+    with pytest.raises(ValidationError, match="decoded_images_gib"):
+        TrainConfig(steps=1, decoded_images_gib=-1)

@@ -315,6 +315,11 @@ class RuntimeSection(Section):
         "half of them, at most 4; none when every latent is cached in memory. On small machines workers cost more "
         "than they give (docs/performance.md).",
         json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
+    decoded_images_gib: float = Field(
+        1.0, ge=0, description="Decoded images (resized to their bucket) the training process keeps in memory, at "
+        "most this many GiB: each is then read and decoded once per run instead of every epoch; crops and flips are "
+        "still drawn every time. The first images that fit are kept; loader workers (`num_workers`) keep none, they "
+        "decode ahead of the loop instead. 0: decode every time. Samples with cached latents read no image.")
     persistent_workers: bool = Field(True, description="Keep the DataLoader workers alive between epochs "
                                      "(with num_workers > 0) instead of starting them again each epoch.",
                                      json_schema_extra=aka("persistent_data_loader_workers"))

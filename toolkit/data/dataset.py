@@ -300,20 +300,60 @@ def image_sizes(item: TrainItem, variant: Variant | None = None) -> torch.Tensor
     return torch.tensor([item.record.height, item.record.width, top, left, target_h, target_w])
 
 
-def load_pixels(item: TrainItem, variant: Variant | None = None) -> torch.Tensor:
+class DecodedImages:
+    """Images decoded and resized to cover their bucket, kept in memory for the run: an image is then read and
+    decoded once, not once per epoch (on few cores, decoding in the training loop is most of what a step waits for
+    its data). Up to `budget` bytes, first come first kept (a shuffled epoch over more images than fit would evict
+    every entry before it is asked for again); crops and mirrors are made from the kept picture at every draw, so a
+    sample is the same whether its picture was kept or decoded."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.used = 0
+        #: (path, bucket) -> (the picture resized to cover the bucket, uint8 [H, W, 3]; the decoded size)
+        self.pictures: dict[tuple[str, tuple[int, int]], tuple[np.ndarray, tuple[int, int]]] = {}
+
+    def get(self, item: TrainItem) -> tuple[np.ndarray, tuple[int, int]] | None:
+        return self.pictures.get((str(item.record.path), item.bucket))
+
+    def keep(self, item: TrainItem, covered: np.ndarray, size: tuple[int, int]) -> None:
+        if self.used + covered.nbytes <= self.budget:
+            covered.flags.writeable = False  # every draw copies its crop out of it
+            self.pictures[(str(item.record.path), item.bucket)] = (covered, size)
+            self.used += covered.nbytes
+
+
+def load_pixels(item: TrainItem, variant: Variant | None = None, kept: DecodedImages | None = None) -> torch.Tensor:
     """The image resized to cover its bucket (`crop_plan`), cropped to it where the variant says (the centre
     without one) and mirrored as it says, float in [-1, 1]: [3, H, W] for an image (and any one-frame sample),
     [3, F, H, W] for a clip of F frames (every frame cropped and mirrored alike; only this clip is decoded, only up
-    to its last chosen frame)."""
+    to its last chosen frame). `kept`: decoded images held in memory, asked first and given this one."""
     if item.record.clip is not None:
         return _clip_pixels(item, variant)
+    found = kept.get(item) if kept is not None else None
+    if found is None:
+        found = _covered_image(item)
+        if kept is not None:
+            kept.keep(item, *found)
+    covered, (width, height) = found
+    plan = crop_plan(width, height, item.bucket)
+    left, top = (plan.left, plan.top) if variant is None else (variant.left, variant.top)
+    target_w, target_h = item.bucket
+    pixels = np.array(covered[top:top + target_h, left:left + target_w], dtype=np.float32)
+    return _mirrored(_signed(torch.from_numpy(pixels)).permute(2, 0, 1), variant)
+
+
+def _covered_image(item: TrainItem) -> tuple[np.ndarray, tuple[int, int]]:
+    """The image file decoded (turned upright by its EXIF orientation, RGB) and resized to cover its bucket (bicubic,
+    as `_fit`): uint8 [H, W, 3], and its decoded (width, height)."""
     try:
         with Image.open(item.record.path) as opened:
             ImageOps.exif_transpose(opened, in_place=True)  # in place: no copy of an upright picture
             image = opened.convert("RGB")
     except Exception as err:
         raise DatasetError(f"cannot read image {item.record.path}: {err}") from err
-    return _mirrored(_signed(torch.from_numpy(_fit(image, item.bucket, variant))).permute(2, 0, 1), variant)
+    plan = crop_plan(image.width, image.height, item.bucket)
+    return np.asarray(image.resize(plan.resized, Image.Resampling.BICUBIC)), (image.width, image.height)
 
 
 def _clip_pixels(item: TrainItem, variant: Variant | None) -> torch.Tensor:
@@ -415,6 +455,8 @@ class ImageDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.masked = any(o.masked for o in self.options.values())
         self.latents = None
+        #: decoded images the training process keeps (`DecodedImages`); loader workers keep none
+        self.decoded: DecodedImages | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -443,7 +485,10 @@ class ImageDataset(torch.utils.data.Dataset):
         if cached is not None:
             sample.update(self.latents.sample_fields(cached))
             return sample
-        sample["pixels"] = load_pixels(item, variant)
+        # kept only where the training process reads its own batches: each loader worker would hold its own copy,
+        # and workers decode ahead of the loop anyway
+        kept = self.decoded if torch.utils.data.get_worker_info() is None else None
+        sample["pixels"] = load_pixels(item, variant, kept)
         if self.sizes:
             sample["image_sizes"] = image_sizes(item, variant)
         if self.masked:

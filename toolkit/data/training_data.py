@@ -14,7 +14,7 @@ import torch
 
 from toolkit.config.sections import DatasetConfig, TrainConfig
 from toolkit.data.buckets import BucketBatchSampler
-from toolkit.data.dataset import ImageDataset, ImageRecord, build_dataset, collate
+from toolkit.data.dataset import DecodedImages, ImageDataset, ImageRecord, build_dataset, collate
 from toolkit.data.latent_cache import LatentCache
 from toolkit.data.media import cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
@@ -41,6 +41,8 @@ class TrainingData:
                                                    sizes=adapter.facts.size_conditioning,
                                                    frame_step=adapter.facts.frame_step, family=adapter.facts.title,
                                                    scanned=scanned, seed=train.seed)
+        budget = round(train.runtime.decoded_images_gib * 2**30)
+        self.dataset.decoded = DecodedImages(budget) if budget > 0 else None
         self.batch_sampler = self.make_batch_sampler()
         self.conditioning: LiveCaptions | CachedCaptions | None = None
         self.dataloader = None
