@@ -131,10 +131,70 @@ def test_status_file_follows_the_step_at_most_a_second_behind(tmp_path, monkeypa
     for step in range(1, 8):
         clock[0] += 0.4  # 0.4 s per update: the file is rewritten at the update a second after the last write
         monitor.heartbeat(step)
+        monitor.writer.drain()  # written by the status thread: wait for it before reading
         written = control.read_status(tmp_path)
         assert step - written.step <= 2 and clock[0] - written.updated_at < 1.0 and written.state == "running"
         seen.append(written.step)
     assert seen == [0, 0, 3, 3, 3, 6, 6]
+    # the end is written at once, after the heartbeat still on its way: never overwritten by it
+    clock[0] += 1.0
+    monitor.heartbeat(8)
+    monitor.ended("finished", 10)
+    assert control.read_status(tmp_path).state == "finished"
+
+
+def test_background_writes_run_in_order_raise_their_errors_and_the_thread_ends_when_idle(monkeypatch):
+    import threading
+    import time
+
+    from toolkit.run import background
+
+    monkeypatch.setattr(background, "IDLE_S", 0.05)
+    writer = background.BackgroundWriter("test writer")
+    done, callers = [], []
+
+    def write(n):
+        time.sleep(0.001 * (n % 3))
+        done.append(n)
+        callers.append(threading.current_thread().name)
+
+    for n in range(30):
+        writer.submit(lambda n=n: write(n))
+    writer.drain()
+    assert done == list(range(30)) and set(callers) == {"test writer"}
+    deadline = time.monotonic() + 5
+    while writer.thread is not None:  # idle: the thread ends
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    writer.submit(lambda: write(30))  # and a new one starts for the next write
+    writer.drain()
+    assert done[-1] == 30
+
+    def fail():
+        raise OSError("disk full")
+
+    writer.submit(fail)
+    writer.submit(lambda: write(31))  # later writes still run
+    with pytest.raises(OSError, match="disk full"):
+        writer.drain()
+    assert done[-1] == 31
+    writer.drain()  # raised once
+
+
+def test_metrics_lines_are_written_in_order_and_read_back_after_a_drain(tmp_path):
+    from toolkit.run.metrics import MetricsWriter, read_metrics
+
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    for step in range(1, 201):
+        writer.write({"step": step, "loss": float("nan") if step == 7 else 1.0 / step})
+    writer.drain()
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in lines] == list(range(1, 201)) and lines[6]["loss"] is None
+    writer.write({"step": 201})
+    writer.close()
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1] == {"step": 201}
+    MetricsWriter(tmp_path / "off.jsonl", enabled=False).write({"step": 1})
+    assert not (tmp_path / "off.jsonl").exists()
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,11 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from toolkit.files import write_json_atomic
+from toolkit.run.background import BackgroundWriter
 from toolkit.run.checkpoint_folders import scan_checkpoints
 
 CONTROL_DIR = "control"
@@ -85,8 +87,12 @@ class Status:
     process_start: int | None = field(default_factory=lambda: process_start_ticks(os.getpid()))
 
     def write(self, run_dir: Path) -> None:
+        write_json_atomic(run_dir / STATUS_FILE, self.stamped())
+
+    def stamped(self) -> dict:
+        """The fields to write, `updated_at` now."""
         self.updated_at = time.time()
-        write_json_atomic(run_dir / STATUS_FILE, asdict(self))
+        return asdict(self)
 
 
 def read_status(run_dir: Path) -> Status | None:
@@ -207,6 +213,7 @@ class RunMonitor:
         self.status = Status(state="running", step=previous.step if previous else 0,
                              total=previous.total if previous and not total else total)
         self.heartbeat_s = heartbeat_s
+        self.writer = BackgroundWriter("status.json writer")
         self.taken: list[Path] = []
         #: control/'s (inode, modification time) when last read empty, and when that was (`may_hold_requests`)
         self.quiet: tuple[tuple[int, int], float] | None = None
@@ -218,8 +225,11 @@ class RunMonitor:
         self._write("running", self.status.step if step is None else step)
 
     def heartbeat(self, step: int) -> None:
+        """status.json at this step, once `heartbeat_s` has passed since the last write: written by a thread of its
+        own (the fields as they are now), so the loop does not wait for the file system."""
         if self.enabled and time.time() - self.status.updated_at >= self.heartbeat_s:
-            self._write("running", step)
+            self.status.state, self.status.step = "running", step
+            self.writer.submit(partial(write_json_atomic, self.run_dir / STATUS_FILE, self.status.stamped()))
 
     def take_requests(self) -> dict[str, bool]:
         """Which actions are requested now; the files are removed by `acknowledge` once acted on. Asked at every
@@ -276,7 +286,9 @@ class RunMonitor:
         self._write(state, self.status.step if step is None else step)
 
     def _write(self, state: str, step: int) -> None:
+        """status.json now, after any heartbeat still being written (which would otherwise land after it)."""
         if not self.enabled:
             return
+        self.writer.drain()
         self.status.state, self.status.step = state, step
         self.status.write(self.run_dir)

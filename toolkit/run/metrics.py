@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from toolkit.files import write_atomic, write_text_atomic
+from toolkit.run.background import BackgroundWriter
+
+log = logging.getLogger("difftune")
 
 
 def progress_bars_wanted() -> bool:
@@ -18,12 +23,16 @@ def progress_bars_wanted() -> bool:
 
 
 class MetricsWriter:
-    """Appends one line per update and flushes it, so a crash loses at most the line being written."""
+    """Appends one line per logged update and flushes it. The lines are encoded and written by a thread of their own,
+    in order (`BackgroundWriter`): the training loop hands a record over and goes on. A crash loses at most the
+    lines handed over in its last milliseconds (a resume writes every line after its checkpoint again anyway);
+    `drain` waits until every line handed over is in the file, before this process reads it (the report)."""
 
     def __init__(self, path: Path, enabled: bool = True):
         self.path = path
         self.enabled = enabled
         self._file = None
+        self.writer = BackgroundWriter("metrics.jsonl writer")
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", encoding="utf-8")
@@ -31,12 +40,28 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self._file is None:
             return
+        self.writer.submit(partial(self._write_line, self._file, dict(record)))
+
+    @staticmethod
+    def _write_line(file, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
-        self._file.flush()
+        file.write(json.dumps(clean) + "\n")
+        file.flush()
+
+    def drain(self) -> None:
+        if self._file is not None:
+            self.writer.drain()
 
     def close(self) -> None:
-        if self._file is not None:
+        """Every line written, then the file closed. A failed write is logged here, not raised: close runs while a
+        failed run's own error is on its way out too."""
+        if self._file is None:
+            return
+        try:
+            self.writer.drain()
+        except OSError as error:
+            log.warning("could not write %s: %s", self.path, error)
+        finally:
             self._file.close()
             self._file = None
 

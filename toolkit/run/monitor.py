@@ -236,6 +236,7 @@ class Monitor:
         the end of the training run."""
         if not self.is_main:
             return
+        self.metrics.drain()  # the report reads metrics.jsonl: every line handed over first
         try:
             write_report(self.folder.root)
         except OSError as error:
