@@ -466,6 +466,7 @@ def own_time(trainer, loop: DifftuneLoop, warmup: int) -> dict | None:
     from toolkit.run.metrics import read_metrics
 
     steps = set(loop.current.steps[warmup:])
+    trainer.monitor.metrics.drain()  # lines are written by a thread of their own: all of them in the file first
     path = trainer.folder.metrics
     if not path.is_file() or not steps:
         return None

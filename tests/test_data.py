@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 from helpers import make_image
 from PIL import Image
@@ -219,3 +220,27 @@ def test_decoded_images_keep_the_first_that_fit_and_none_in_loader_workers(tmp_p
     assert TrainConfig(steps=1).decoded_images_gib == 1.0
     with pytest.raises(ValidationError, match="decoded_images_gib"):
         TrainConfig(steps=1, decoded_images_gib=-1)
+
+
+def test_a_picture_smaller_than_its_plan_is_cropped_as_pil_crops_it_and_kept_stores_pickle_empty(tmp_path):
+    """An image replaced by a smaller one after the scan: black beyond its edge, as PIL's crop gives (a shape the
+    batch can stack); a worker's copy of the store holds no pictures."""
+    import pickle
+
+    import torch
+
+    from toolkit.data.dataset import DecodedImages, Variant
+
+    noisy_image(tmp_path / "a.png", (128, 128), 0)
+    (item,) = build_dataset([DatasetConfig(folder_path=str(tmp_path), resolution=[64])], None, divisor=16).items
+    noisy_image(tmp_path / "a.png", (64, 40), 1)  # after the scan: covers 64 x 64 as 102 x 64
+    variant = Variant(left=40, top=0)  # a crop drawn for the old size, past the new picture's right edge
+    kept = DecodedImages(budget=1 << 30)
+    pixels = load_pixels(item, variant, kept)
+    with Image.open(item.record.path) as opened:
+        cover = opened.convert("RGB").resize((102, 64), Image.Resampling.BICUBIC)
+    by_pil = torch.from_numpy(np.asarray(cover.crop((40, 0, 104, 64)), dtype=np.float32)).div_(127.5).sub_(1.0)
+    assert pixels.shape == (3, 64, 64) and torch.equal(pixels, by_pil.permute(2, 0, 1))
+    assert (pixels[:, :, 62:] == -1).all()
+    copy = pickle.loads(pickle.dumps(kept))
+    assert kept.pictures and copy.pictures == {} and copy.used == 0 and copy.budget == kept.budget

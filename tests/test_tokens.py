@@ -90,18 +90,21 @@ def test_each_prompt_is_tokenized_once_and_the_least_recent_go_first():
 
     class Counting(type(tokenizer)):
         def __call__(self, text, *args, **kwargs):
-            calls.append(text)
+            calls.append(list(text))
             return real(self, text, *args, **kwargs)
 
     tokenizer.__class__ = Counting
-    memo = TokenMemo(tokenizer, 77, True, kept=2)
-    memo(["a", "b", "a"])
-    assert calls == ["a", "b"]
+    memo = TokenMemo(tokenizer, 77, True, kept=2 * 3 * 8)  # two prompts of 3 ids (start, a byte, end), 8 bytes each
+    first = memo(["a", "b", "a"])
+    assert calls == [["a", "b"]]  # the prompts not kept, in one call
+    assert torch.equal(first.input_ids[0], first.input_ids[2])
     memo(["a"])  # "a" becomes the most recent: "b" goes when "c" comes
     memo(["c"])
-    assert list(memo.ids) == ["a", "c"]
-    memo(["b"])
-    assert calls == ["a", "b", "c", "b"]
+    assert list(memo.ids) == ["a", "c"] and memo.used == 48
+    memo(["b", "a"])
+    assert calls == [["a", "b"], ["c"], ["b"]]
+    tiny = TokenMemo(tokenizer, 77, True, kept=1)  # nothing fits: the batch is still answered whole
+    assert torch.equal(tiny(["a", "b", "a"]).input_ids, first.input_ids) and len(tiny.ids) == 1
 
 
 def test_memos_are_per_tokenizer_and_settings():

@@ -174,7 +174,7 @@ def test_background_writes_run_in_order_raise_their_errors_and_the_thread_ends_w
         raise OSError("disk full")
 
     writer.submit(fail)
-    writer.submit(lambda: write(31))  # later writes still run
+    writer.put(lambda: write(31))  # later writes still run (`submit` would raise the failure here, if it came first)
     with pytest.raises(OSError, match="disk full"):
         writer.drain()
     assert done[-1] == 31

@@ -316,10 +316,11 @@ class RuntimeSection(Section):
         "than they give (docs/performance.md).",
         json_schema_extra=aka("max_data_loader_n_workers", "dataloader_num_workers"))
     decoded_images_gib: float = Field(
-        1.0, ge=0, description="Decoded images (resized to their bucket) the training process keeps in memory, at "
-        "most this many GiB: each is then read and decoded once per run instead of every epoch; crops and flips are "
-        "still drawn every time. The first images that fit are kept; loader workers (`num_workers`) keep none, they "
-        "decode ahead of the loop instead. 0: decode every time. Samples with cached latents read no image.")
+        1.0, ge=0, description="Decoded images (resized to their bucket) each training process keeps in memory, at "
+        "most this many GiB per process: each is then read and decoded once per run instead of every epoch; crops and "
+        "flips are still drawn every time. The first images that fit are kept; loader workers (`num_workers`) keep "
+        "none, they decode ahead of the loop instead. 0: decode every time. Samples with cached latents read their "
+        "image only for a variant the cache has no entry for yet.")
     persistent_workers: bool = Field(True, description="Keep the DataLoader workers alive between epochs "
                                      "(with num_workers > 0) instead of starting them again each epoch.",
                                      json_schema_extra=aka("persistent_data_loader_workers"))

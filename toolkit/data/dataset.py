@@ -313,6 +313,10 @@ class DecodedImages:
         #: (path, bucket) -> (the picture resized to cover the bucket, uint8 [H, W, 3]; the decoded size)
         self.pictures: dict[tuple[str, tuple[int, int]], tuple[np.ndarray, tuple[int, int]]] = {}
 
+    def __getstate__(self) -> dict:
+        """A copy for a loader worker (which keeps none) goes without the pictures."""
+        return {**self.__dict__, "pictures": {}, "used": 0}
+
     def get(self, item: TrainItem) -> tuple[np.ndarray, tuple[int, int]] | None:
         return self.pictures.get((str(item.record.path), item.bucket))
 
@@ -339,7 +343,12 @@ def load_pixels(item: TrainItem, variant: Variant | None = None, kept: DecodedIm
     plan = crop_plan(width, height, item.bucket)
     left, top = (plan.left, plan.top) if variant is None else (variant.left, variant.top)
     target_w, target_h = item.bucket
-    pixels = np.array(covered[top:top + target_h, left:left + target_w], dtype=np.float32)
+    region = covered[top:top + target_h, left:left + target_w]
+    if region.shape[:2] == (target_h, target_w):
+        pixels = np.array(region, dtype=np.float32)
+    else:  # a picture smaller than its plan (the file changed since it was scanned): black beyond it, as PIL's crop
+        pixels = np.zeros((target_h, target_w, 3), dtype=np.float32)
+        pixels[:region.shape[0], :region.shape[1]] = region
     return _mirrored(_signed(torch.from_numpy(pixels)).permute(2, 0, 1), variant)
 
 

@@ -55,6 +55,7 @@ class DDPMNoiseSchedule(NoiseSchedule):
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"unsupported prediction_type '{self.prediction_type}' in the scheduler config")
         self._coefficients: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._alphas: dict[torch.device, torch.Tensor] = {}
 
     def timesteps(self, u: torch.Tensor) -> torch.Tensor:
         t = (u * self.num_train_timesteps).long()
@@ -88,7 +89,10 @@ class DDPMNoiseSchedule(NoiseSchedule):
         return signal * noise - sigma * latents
 
     def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
-        return snr_from_alphas_cumprod(self.scheduler.alphas_cumprod, timesteps)
+        device = timesteps.device  # the table on the timesteps' device once, not copied there at every call
+        if device not in self._alphas:
+            self._alphas[device] = to_device(self.scheduler.alphas_cumprod, device)
+        return snr_from_alphas_cumprod(self._alphas[device], timesteps)
 
 
 class FlowMatchNoiseSchedule(NoiseSchedule):

@@ -12,15 +12,17 @@ Python call that costs here).
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-#: prompts kept per tokenizer call: a run with shuffled or dropped-out caption views makes a new prompt at almost
-#: every micro-batch, so the least recently read go first (each entry is its ids, a few hundred bytes)
-KEPT_PROMPTS = 16384
+#: bytes of token ids kept per tokenizer call: a run with shuffled or dropped-out caption views makes a new prompt at
+#: almost every micro-batch, so the least recently read go first (an id is 8 bytes: a 77-token CLIP prompt about
+#: 0.7 KB, so tens of thousands of prompts)
+KEPT_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -37,15 +39,16 @@ class TokenMemo:
     prompt's ids tokenized once. `pad_to_max`: every row `max_length` long (padding="max_length"); else rows as
     long as the batch's longest prompt (padding=True)."""
 
-    def __init__(self, tokenizer: Any, max_length: int, pad_to_max: bool, kept: int = KEPT_PROMPTS, **options):
+    def __init__(self, tokenizer: Any, max_length: int, pad_to_max: bool, kept: int = KEPT_BYTES, **options):
         if tokenizer.pad_token_id is None:
             raise ValueError(f"{type(tokenizer).__name__} has no pad token: its batches cannot be padded")
         self.tokenizer, self.max_length, self.pad_to_max, self.kept = tokenizer, max_length, pad_to_max, kept
         self.options = options
-        self.ids: OrderedDict[str, list[int]] = OrderedDict()
+        self.ids: OrderedDict[str, array] = OrderedDict()
+        self.used = 0
 
     def __call__(self, prompts: list[str]) -> Tokens:
-        rows = [self.prompt_ids(prompt) for prompt in prompts]
+        rows = self.prompt_ids(prompts)
         length = self.max_length if self.pad_to_max else max(len(row) for row in rows)
         pad, left = self.tokenizer.pad_token_id, self.tokenizer.padding_side == "left"
         ids, mask = [], []
@@ -55,18 +58,32 @@ class TokenMemo:
             mask.append([0] * padding + [1] * len(row) if left else [1] * len(row) + [0] * padding)
         return Tokens(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long))
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        """The prompt's ids, truncated to `max_length`, without padding (tokenized on first use)."""
-        found = self.ids.get(prompt)
-        if found is not None:
-            self.ids.move_to_end(prompt)
-            return found
-        found = list(self.tokenizer(prompt, max_length=self.max_length, truncation=True, padding=False,
-                                    **self.options).input_ids)
-        self.ids[prompt] = found
-        if len(self.ids) > self.kept:
-            self.ids.popitem(last=False)
-        return found
+    def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
+        """Each prompt's ids, truncated to `max_length`, without padding; the prompts not kept are tokenized in one
+        call (as the batch would have been) and kept."""
+        missing = list(dict.fromkeys(p for p in prompts if p not in self.ids))
+        fresh: dict[str, array] = {}
+        if missing:
+            found = self.tokenizer(missing, max_length=self.max_length, truncation=True, padding=False,
+                                   **self.options).input_ids
+            fresh = {prompt: array("q", ids) for prompt, ids in zip(missing, found, strict=True)}
+        rows = []
+        for prompt in prompts:
+            ids = fresh.get(prompt)
+            if ids is None:
+                ids = self.ids[prompt]
+                self.ids.move_to_end(prompt)
+            rows.append(ids.tolist())
+        for prompt, ids in fresh.items():
+            self.keep(prompt, ids)
+        return rows
+
+    def keep(self, prompt: str, ids: array) -> None:
+        self.ids[prompt] = ids
+        self.used += ids.itemsize * len(ids)
+        while self.used > self.kept and len(self.ids) > 1:
+            _, dropped = self.ids.popitem(last=False)
+            self.used -= dropped.itemsize * len(dropped)
 
 
 class TokenMemos:

@@ -29,6 +29,9 @@ class BackgroundWriter:
 
     def submit(self, write: Callable[[], object]) -> None:
         self.raise_error()
+        self.put(write)
+
+    def put(self, write: Callable[[], object]) -> None:
         with self.lock:  # the thread ends only while holding it, having found no work: a write is never left behind
             self.work.put(write)
             if self.thread is None:
@@ -36,19 +39,19 @@ class BackgroundWriter:
                 self.thread.start()
 
     def drain(self) -> None:
-        """Wait until every write handed over so far is done; raise the first that failed."""
+        """Wait until every write handed over so far is done (a failed one included); then raise the first that
+        failed."""
         with self.lock:
             idle = self.thread is None  # no thread: nothing waits (it ends only with no work left)
-        if idle:
-            self.raise_error()
-            return
-        done = threading.Event()
-        self.submit(done.set)
-        done.wait()
+        if not idle:
+            done = threading.Event()
+            self.put(done.set)
+            done.wait()
         self.raise_error()
 
     def raise_error(self) -> None:
-        error, self.error = self.error, None
+        with self.lock:
+            error, self.error = self.error, None
         if error is not None:
             raise error
 
@@ -65,5 +68,6 @@ class BackgroundWriter:
             try:
                 write()
             except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
-                if self.error is None:
-                    self.error = error
+                with self.lock:
+                    if self.error is None:
+                        self.error = error

@@ -9,6 +9,7 @@ process runs it, so `python run.py --status RUN_FOLDER` can tell a crashed run f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 from toolkit.files import write_json_atomic
 from toolkit.run.background import BackgroundWriter
 from toolkit.run.checkpoint_folders import scan_checkpoints
+
+log = logging.getLogger("difftune")
 
 CONTROL_DIR = "control"
 STATUS_FILE = "status.json"
@@ -289,6 +292,9 @@ class RunMonitor:
         """status.json now, after any heartbeat still being written (which would otherwise land after it)."""
         if not self.enabled:
             return
-        self.writer.drain()
+        try:
+            self.writer.drain()
+        except OSError as error:  # a heartbeat that failed earlier: the state being written now matters more
+            log.warning("could not write %s: %s", self.run_dir / STATUS_FILE, error)
         self.status.state, self.status.step = state, step
         self.status.write(self.run_dir)
