@@ -164,11 +164,11 @@ def augmented_dataset(folder, **keys):
 
 def test_kept_decoded_images_give_the_same_pixels_for_every_draw_and_are_not_read_again(tmp_path):
     """A decoded image kept in memory gives, for every drawn crop and flip, the pixels the file gives (bit for bit),
-    and the file is not read for it again; the values are the PIL resize-and-crop ones (what `_fit` makes)."""
+    and the file is not read for it again; the values are PIL's resize and crop."""
     import numpy as np
     import torch
 
-    from toolkit.data.dataset import DecodedImages, _fit
+    from toolkit.data.dataset import DecodedImages, crop_plan
 
     noisy_image(tmp_path / "wide.png", (150, 90), 0)
     noisy_image(tmp_path / "tall.png", (70, 130), 1)
@@ -180,7 +180,10 @@ def test_kept_decoded_images_give_the_same_pixels_for_every_draw_and_are_not_rea
             variant = dataset.variant(index, epoch)
             fresh = load_pixels(item, variant)
             with Image.open(item.record.path) as opened:
-                fitted = _fit(opened.convert("RGB"), item.bucket, variant)
+                picture = opened.convert("RGB").resize(crop_plan(*opened.size, item.bucket).resized,
+                                                       Image.Resampling.BICUBIC)
+            box = (variant.left, variant.top, variant.left + item.bucket[0], variant.top + item.bucket[1])
+            fitted = np.asarray(picture.crop(box), dtype=np.float32)
             by_pil = torch.from_numpy(fitted).div_(127.5).sub_(1.0).permute(2, 0, 1)
             dims = [d for d, flip in ((-1, variant.flip_x), (-2, variant.flip_y)) if flip]
             assert torch.equal(fresh, by_pil.flip(dims) if dims else by_pil)

@@ -317,14 +317,18 @@ class DecodedImages:
         """A copy for a loader worker (which keeps none) goes without the pictures."""
         return {**self.__dict__, "pictures": {}, "used": 0}
 
-    def get(self, item: TrainItem) -> tuple[np.ndarray, tuple[int, int]] | None:
-        return self.pictures.get((str(item.record.path), item.bucket))
+    @staticmethod
+    def key(item: TrainItem) -> tuple[str, tuple[int, int]]:
+        return str(item.record.path), item.bucket
 
-    def keep(self, item: TrainItem, covered: np.ndarray, size: tuple[int, int]) -> None:
-        if self.used + covered.nbytes <= self.budget:
-            covered.flags.writeable = False  # every draw copies its crop out of it
-            self.pictures[(str(item.record.path), item.bucket)] = (covered, size)
-            self.used += covered.nbytes
+    def get(self, item: TrainItem) -> tuple[np.ndarray, tuple[int, int]] | None:
+        return self.pictures.get(self.key(item))
+
+    def keep(self, item: TrainItem, covering: np.ndarray, size: tuple[int, int]) -> None:
+        if self.used + covering.nbytes <= self.budget:
+            covering.flags.writeable = False  # every draw copies its crop out of it
+            self.pictures[self.key(item)] = (covering, size)
+            self.used += covering.nbytes
 
 
 def load_pixels(item: TrainItem, variant: Variant | None = None, kept: DecodedImages | None = None) -> torch.Tensor:
@@ -339,30 +343,20 @@ def load_pixels(item: TrainItem, variant: Variant | None = None, kept: DecodedIm
         found = _covered_image(item)
         if kept is not None:
             kept.keep(item, *found)
-    covered, (width, height) = found
-    plan = crop_plan(width, height, item.bucket)
-    left, top = (plan.left, plan.top) if variant is None else (variant.left, variant.top)
-    target_w, target_h = item.bucket
-    region = covered[top:top + target_h, left:left + target_w]
-    if region.shape[:2] == (target_h, target_w):
-        pixels = np.array(region, dtype=np.float32)
-    else:  # a picture smaller than its plan (the file changed since it was scanned): black beyond it, as PIL's crop
-        pixels = np.zeros((target_h, target_w, 3), dtype=np.float32)
-        pixels[:region.shape[0], :region.shape[1]] = region
+    pixels = _cropped(*found, item.bucket, variant)
     return _mirrored(_signed(torch.from_numpy(pixels)).permute(2, 0, 1), variant)
 
 
 def _covered_image(item: TrainItem) -> tuple[np.ndarray, tuple[int, int]]:
-    """The image file decoded (turned upright by its EXIF orientation, RGB) and resized to cover its bucket (bicubic,
-    as `_fit`): uint8 [H, W, 3], and its decoded (width, height)."""
+    """The image file decoded (turned upright by its EXIF orientation, RGB) and resized to cover its bucket (bicubic):
+    uint8 [H, W, 3], and its decoded (width, height)."""
     try:
         with Image.open(item.record.path) as opened:
             ImageOps.exif_transpose(opened, in_place=True)  # in place: no copy of an upright picture
             image = opened.convert("RGB")
     except Exception as err:
         raise DatasetError(f"cannot read image {item.record.path}: {err}") from err
-    plan = crop_plan(image.width, image.height, item.bucket)
-    return np.asarray(image.resize(plan.resized, Image.Resampling.BICUBIC)), (image.width, image.height)
+    return _covering(image, item.bucket, Image.Resampling.BICUBIC), image.size
 
 
 def _clip_pixels(item: TrainItem, variant: Variant | None) -> torch.Tensor:
@@ -426,12 +420,26 @@ def _fit(picture: Image.Image, bucket: tuple[int, int], variant: Variant | None 
          resample: Image.Resampling = Image.Resampling.BICUBIC) -> np.ndarray:
     """A picture resized to cover `bucket` (`crop_plan`) and cropped to it at the variant's offset (the centre
     without one): float32, [H, W, 3] 0-255 for an RGB picture, [H, W] for a mask plane."""
+    return _cropped(_covering(picture, bucket, resample), picture.size, bucket, variant)
+
+
+def _covering(picture: Image.Image, bucket: tuple[int, int], resample: Image.Resampling) -> np.ndarray:
+    """A picture resized to cover `bucket` (`crop_plan`), as an array in its own type."""
+    return np.asarray(picture.resize(crop_plan(picture.width, picture.height, bucket).resized, resample))
+
+
+def _cropped(covering: np.ndarray, size: tuple[int, int], bucket: tuple[int, int],
+             variant: Variant | None) -> np.ndarray:
+    """A picture of `size` (width, height) resized to cover `bucket` (`_covering`), cropped to it at the variant's
+    offset (the centre without one), float32: black beyond its edge, as PIL's crop (a picture smaller than its plan,
+    where the file changed since it was scanned)."""
     target_w, target_h = bucket
-    plan = crop_plan(picture.width, picture.height, bucket)
+    plan = crop_plan(*size, bucket)
     left, top = (plan.left, plan.top) if variant is None else (variant.left, variant.top)
-    picture = picture.resize(plan.resized, resample)
-    picture = picture.crop((left, top, left + target_w, top + target_h))
-    return np.array(picture, dtype=np.float32)
+    region = covering[top:top + target_h, left:left + target_w]
+    pixels = np.zeros((target_h, target_w) + covering.shape[2:], dtype=np.float32)
+    pixels[:region.shape[0], :region.shape[1]] = region
+    return pixels
 
 
 def _mirrored(tensor: torch.Tensor, variant: Variant | None) -> torch.Tensor:
