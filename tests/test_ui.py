@@ -34,9 +34,16 @@ SCREENSHOTS = os.environ.get("DIFFTUNE_UI_SCREENSHOTS")  # a folder: the browser
 
 
 def wait_for(what: str, check, timeout: float = 120.0, every: float = 0.2):
+    """Polls `check` until it returns something true. The page re-renders while it is read (a live run's curves
+    every poll), so an element found by one WebDriver call may be gone by the next: such a read counts as not yet."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = check()
+        try:
+            value = check()
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         time.sleep(every)
@@ -431,8 +438,8 @@ def test_browser_runs_page_lists_the_runs(world, browser):
                     if len(browser.find_elements("css selector", "#runs tr[data-run]")) >= 3 else None, timeout=20)
     assert rows["finished"] == "finished" and rows["broken"] == "failed"
     assert rows["alpha"] in ("running", "crashed")
-    thumbnail = browser.find_element("css selector", "tr[data-run=finished] img.thumb")
-    wait_for("the thumbnail to load", lambda: browser.execute_script("return arguments[0].naturalWidth", thumbnail) > 0,
+    wait_for("the thumbnail to load", lambda: browser.execute_script(
+        "const i = document.querySelector('tr[data-run=finished] img.thumb'); return i ? i.naturalWidth : 0"),
              timeout=10)
     screenshot(browser, "ui_runs.png")
 
@@ -444,16 +451,19 @@ def test_browser_curve_grows_while_the_run_logs(world, browser):
     browser.get(world.url + "#/run/beta")
     line = 'polyline.smooth[data-run="beta"][data-series="loss"]'
 
-    def points() -> int:
-        found = browser.find_elements("css selector", line)
-        return int(found[0].get_attribute("data-points")) if found else 0
+    def points() -> int:  # read in one script: the page redraws the chart on every poll of a live run
+        return browser.execute_script("const e = document.querySelector(arguments[0]);"
+                                      " return e ? Number(e.dataset.points) : 0", line)
 
     first = wait_for("the loss curve", points, timeout=20)
     wait_for("the loss curve to grow", lambda: points() > first + 2, timeout=60)
-    ticks = browser.find_elements("css selector", '[data-chart="loss"] text[data-tick="y"]')
-    assert len(ticks) >= 2  # the value axis is labelled
+    ticks = browser.execute_script(
+        "return document.querySelectorAll('[data-chart=\"loss\"] text[data-tick=\"y\"]').length")
+    assert ticks >= 2  # the value axis is labelled
     browser.execute_script("document.getElementById('log-scale').click()")
-    assert browser.find_elements("css selector", '[data-chart="loss"] h3 small')[0].text.endswith("log scale)")
+    title = lambda: browser.execute_script(
+        "const e = document.querySelector('[data-chart=\"loss\"] h3 small'); return e ? e.textContent : ''")
+    wait_for("the chart to say log scale", lambda: title().endswith("log scale)"), timeout=10)
 
 
 def test_browser_shows_a_typo_by_key(world, browser):
@@ -491,21 +501,28 @@ def test_browser_save_and_stop_buttons_act_on_the_running_job(world, browser):
         pytest.skip("beta was stopped by an earlier test")
     browser.get(world.url + "#/run/beta")
     enabled = lambda name: [b for b in browser.find_elements("id", f"control-{name}") if b.is_enabled()]
-    wait_for("the save button to be enabled", lambda: enabled("save"), timeout=20)[0].click()
+
+    def click(name: str) -> bool:  # found and clicked in one try: a redraw in between makes the try count as not yet
+        buttons = enabled(name)
+        if buttons:
+            buttons[0].click()
+        return bool(buttons)
+
+    wait_for("the save button to be enabled", lambda: click("save"), timeout=20)
     wait_for("beta's checkpoint", lambda: list((world.root / "beta" / "checkpoints").glob("step_*/train_state.json")),
              timeout=60)
     if SCREENSHOTS:  # the docs' run page: a sample, and alpha's curves overlaid
-        enabled("sample")[0].click()
+        wait_for("the sample button", lambda: click("sample"), timeout=10)
         wait_for("beta's sample", lambda: list((world.root / "beta" / "samples").glob("step_*_0.png")), timeout=60)
         browser.get(world.url + "#/run/beta?with=alpha")
         wait_for("the sample strip", lambda: browser.find_elements("css selector", "#sample-strip img"), timeout=20)
         time.sleep(1.0)
         screenshot(browser, "ui_run.png")
-    enabled("stop")[0].click()
+    wait_for("the stop button", lambda: click("stop"), timeout=10)
     wait_for("beta to stop", lambda: world.status("beta").state == "stopped", timeout=120)
     wait_for("the page to say so", lambda: browser.find_elements("css selector", '#run-state [data-state="stopped"]'),
              timeout=10)
-    assert not enabled("stop")  # nothing to stop any more
+    assert not wait_for("the stop button's state", lambda: [enabled("stop")], timeout=10)[0]  # nothing to stop
 
 
 def test_the_queue_ends_in_order_with_each_job_as_its_run_ended(world):
