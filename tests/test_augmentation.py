@@ -44,9 +44,9 @@ from toolkit.train.losses import mask_weights, per_sample_loss
 from toolkit.train.objective import DiffusionObjective, StepDraw
 from toolkit.train.plan import Position
 
-SOLO = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, wait_for_everyone=lambda: None,
-                       skip_first_batches=skip_first_batches)
 CPU = torch.device("cpu")
+SOLO = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, wait_for_everyone=lambda: None,
+                       skip_first_batches=skip_first_batches, device=CPU)
 
 
 def load_adapter() -> SD15Adapter:

@@ -29,7 +29,8 @@ from toolkit.run.metrics import read_metrics
 from toolkit.train.plan import Position, TrainingPlan
 from toolkit.train.seeding import seeded_generator
 
-SOLO = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, wait_for_everyone=lambda: None)
+SOLO = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, wait_for_everyone=lambda: None,
+                       device=torch.device("cpu"))
 CAPTION = "sks, red, round, shiny, small, outdoors"
 
 

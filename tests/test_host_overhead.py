@@ -19,9 +19,10 @@ from toolkit.run import control
 from toolkit.run.control import RunMonitor
 
 
-def test_a_request_is_seen_at_the_next_look_however_soon_it_follows(tmp_path):
+def test_a_request_is_seen_at_the_next_look_however_soon_it_follows(tmp_path, monkeypatch):
     """The folder changed within the last second is read at every look: a request made in the same tick of the file
     system's clock as the last change (which leaves the folder's time as it was) is not missed."""
+    monkeypatch.setattr(control, "POLL_S", 0.0)  # a look at every update
     control.Status(state="running").write(tmp_path)
     run = RunMonitor(tmp_path, enabled=True, total=0)
     assert not any(run.take_requests().values())  # no control/ yet
@@ -32,7 +33,26 @@ def test_a_request_is_seen_at_the_next_look_however_soon_it_follows(tmp_path):
         assert not any(run.take_requests().values())
 
 
+def test_control_is_looked_at_once_per_poll_interval_and_a_request_waits_at_most_that_long(tmp_path, monkeypatch):
+    monkeypatch.setattr(control, "POLL_S", 0.3)
+    control.Status(state="running").write(tmp_path)
+    run = RunMonitor(tmp_path, enabled=True, total=0)
+    (tmp_path / control.CONTROL_DIR).mkdir()
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: stats.append(str(path)) or real_stat(path, *a, **k))
+    assert not any(run.take_requests().values())  # the first look
+    control.request(tmp_path, "save")
+    looked = stats.count(run.control_dir)
+    began = time.monotonic()
+    while not run.take_requests()["save"]:
+        assert time.monotonic() - began < 0.3 + 0.2, "the request was not seen within the poll interval"
+    waited = time.monotonic() - began
+    assert 0.2 < waited and stats.count(run.control_dir) == looked + 1  # one stat for the second look, none between
+
+
 def test_a_settled_empty_control_folder_is_only_stated(tmp_path, monkeypatch):
+    monkeypatch.setattr(control, "POLL_S", 0.0)
     run = RunMonitor(tmp_path, enabled=True, total=0)
     (tmp_path / control.CONTROL_DIR).mkdir()
     old = time.time_ns() - 5 * 10**9

@@ -205,7 +205,8 @@ def test_monitor_logs_every_nth_update_and_always_the_last(tmp_path, accelerator
     assert json.loads((folder.root / "status.json").read_text())["state"] == "finished"
 
 
-def test_monitor_decides_from_control_requests_and_a_stop_signal(tmp_path, accelerator):
+def test_monitor_decides_from_control_requests_and_a_stop_signal(tmp_path, accelerator, monkeypatch):
+    monkeypatch.setattr(control, "POLL_S", 0.0)  # control/ looked at by every decision
     folder = RunFolder(tmp_path / "run", "run")
     monitor = Monitor(folder, accelerator, None, LoggingConfig(), "run")
     monitor.started()

@@ -42,7 +42,9 @@ def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dty
     `non_blocking` (a blocking copy waits for all the work already queued on the device); the dtype changes
     there. Anything else is a plain `.to`. The copy may still be running on return: do not change `tensor` in
     place afterwards (a tensor that is already pinned is copied from directly)."""
-    device = torch.device(device)
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    if tensor.device == device and (dtype is None or tensor.dtype == dtype):
+        return tensor  # already there: no `.to` dispatched (a dozen times per micro-batch)
     if device.type == "cuda" and tensor.device.type == "cpu":
         moved = tensor.pin_memory().to(device, non_blocking=True)
         return moved if dtype is None else moved.to(dtype)

@@ -273,8 +273,9 @@ class BaseSDTrainProcess(BaseProcess):
             # experts: an update trains one of them, so the others' LoRA gets no gradient that update
             self.runtime.allow_unused_parameters()
         self.keep_frozen_out_of_ddp(self.adapter.trainable_module())
+        # the batches are placed by `TrainingData.epoch_batches` (only their tensors, without waiting for the device)
         module, self.optimizer, self.data.dataloader = acc.prepare(self.adapter.trainable_module(), self.optimizer,
-                                                                   dataloader)
+                                                                   dataloader, device_placement=[None, None, False])
         self.adapter.use_for_training(module)
         if self.text_params and acc.num_processes > 1:
             # DDP broadcasts rank 0's initial weights of the module it wraps; the text encoders' LoRA likewise here
@@ -417,13 +418,16 @@ class BaseSDTrainProcess(BaseProcess):
         self.position.global_step += 1
         if self.ema is not None:
             self.ema.after_update(self.position.global_step)
+        names = list(window[0]) + ["grad_norm"]
+        if acc.num_processes == 1 and len(window) == 1 and isinstance(grad_norm, torch.Tensor):
+            # one micro-batch's values are its means: one stack with the norm, no mean, reduction or join
+            values = torch.stack([*window[0].values(), grad_norm]).float()  # promoted to one dtype
+            return UpdateValues(self.position.global_step, self.position.epoch, lr, names, values)
         means = window_means(window)
-        names = list(window[0])
         if acc.num_processes > 1:
             means = acc.reduce(means, reduction="mean")  # one collective, queued like the rest
         grad_norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=means.device).reshape(1)
-        return UpdateValues(self.position.global_step, self.position.epoch, lr, names + ["grad_norm"],
-                            torch.cat([means, grad_norm]))
+        return UpdateValues(self.position.global_step, self.position.epoch, lr, names, torch.cat([means, grad_norm]))
 
     def clip_gradients(self) -> torch.Tensor:
         """The gradients' total norm (a device value), the gradients clipped to `train.max_grad_norm` (0: not

@@ -498,7 +498,7 @@ class ImageDataset(torch.utils.data.Dataset):
         if self.latents is not None and self.latents.covers(number):
             cached = self.latents.get(number, variant)
             if cached is None:
-                sample["latent_key"] = self.latents.key(item, variant)
+                sample["latent_key"] = self.latents.variant_key(number, variant)
         if cached is not None:
             sample.update(self.latents.sample_fields(cached))
             return sample

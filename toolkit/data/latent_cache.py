@@ -94,6 +94,9 @@ class LatentCache:
         self.memory: dict[str, CachedLatent] = {}  # key -> entry, for datasets cached in memory
         self._digests: dict[Path, str] = {}
         self.keys = {i: self.key(item) for i, item in enumerate(dataset.items) if item.dataset in roots}
+        #: (item index, variant) -> key, each made once (`variant_key`): as many as the variants drawn, which each
+        #: hold an entry far larger than their key
+        self.variant_keys: dict[tuple[int, Variant], str] = {}
 
     def digest(self, path: Path) -> str:
         if path not in self._digests:
@@ -179,8 +182,17 @@ class LatentCache:
     def get(self, index: int, variant: Variant | None = None) -> CachedLatent | None:
         """The entry of the item's variant (the centre one without `variant`): its latent distribution, the size facts
         of the pixels it was encoded from, and its mask; None while the variant has no entry."""
-        item = self.dataset.items[index]
-        return self.entry(item, self.keys[index] if variant is None else self.key(item, variant), variant)
+        return self.entry(self.dataset.items[index], self.variant_key(index, variant), variant)
+
+    def variant_key(self, index: int, variant: Variant | None = None) -> str:
+        """`key` of item `index`'s variant (its centre one without `variant`), hashed once per variant: a sample's
+        key is asked for every time it is drawn."""
+        if variant is None:
+            return self.keys[index]
+        key = self.variant_keys.get((index, variant))
+        if key is None:
+            key = self.variant_keys[index, variant] = self.key(self.dataset.items[index], variant)
+        return key
 
     def entry(self, item: TrainItem, key: str, variant: Variant | None) -> CachedLatent | None:
         """The entry stored under `key`, None where a dataset that draws variants has none yet (it is encoded when

@@ -359,6 +359,6 @@ class CachedCaptions:
         views = [self.view(index, epoch) for index in indices]
         embeds, mask = join_padded([v["embeds"].unsqueeze(0) for v in views],
                                    [v["attention_mask"].unsqueeze(0) if "attention_mask" in v else None for v in views])
-        length = torch.cat([v["length"] for v in views])
+        length = views[0]["length"] if len(views) == 1 else torch.cat([v["length"] for v in views])  # host, read only
         pooled = torch.stack([v["pooled"] for v in views]) if all("pooled" in v for v in views) else None
         return PromptEmbeds(embeds, mask, length, pooled).to(self.adapter.device)

@@ -18,7 +18,7 @@ from toolkit.data.dataset import DecodedImages, ImageDataset, ImageRecord, build
 from toolkit.data.latent_cache import LatentCache
 from toolkit.data.media import cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
-from toolkit.device import ModulePlacement
+from toolkit.device import ModulePlacement, to_device
 from toolkit.models.base import ModelAdapter, PromptEmbeds
 from toolkit.train.plan import Position
 
@@ -128,7 +128,9 @@ class TrainingData:
         loader.set_epoch(position.epoch)
         self.batch_sampler.set_epoch(position.epoch)
         self.conditioning.start_epoch(position.epoch)
-        return ((micro_batch, self.complete(batch)) for micro_batch, batch in enumerate(loader, start=skip))
+        device = accelerator.device
+        return ((micro_batch, self.complete(on_device(batch, device)))
+                for micro_batch, batch in enumerate(loader, start=skip))
 
     def complete(self, batch: dict) -> dict:
         """The batch with its pending rows (variants without a latent cache entry yet) encoded and stored."""
@@ -136,6 +138,17 @@ class TrainingData:
 
     def embeds_for(self, batch: dict, epoch: int) -> PromptEmbeds:
         return self.conditioning.embeds_for(batch["indices"], epoch)
+
+
+def on_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors, and those of its pending rows, on `device` (`to_device`: from pinned memory without
+    waiting for the work queued there); its lists (captions, indices, variants, keys) stay on the host. The loader
+    places nothing itself: accelerate's placement walks every list item and copies with a wait."""
+    placed = {key: to_device(value, device) if isinstance(value, torch.Tensor) else value
+              for key, value in batch.items()}
+    if "pending" in batch:
+        placed["pending"] = on_device(batch["pending"], device)
+    return placed
 
 
 def usable_cores() -> int:

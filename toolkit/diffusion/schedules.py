@@ -74,7 +74,7 @@ class DDPMNoiseSchedule(NoiseSchedule):
     def coefficients_at(self, like: torch.Tensor, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both roots at each sample's timestep, shaped to broadcast over `like` (diffusers' values, bit for bit)."""
         signal, sigma = self.coefficients(like.device, like.dtype)
-        index = timesteps.to(like.device)
+        index = to_device(timesteps, like.device)
         shape = (-1,) + (1,) * (like.dim() - 1)
         return signal[index].reshape(shape), sigma[index].reshape(shape)
 

@@ -191,6 +191,8 @@ def apply_timestep_range(u: torch.Tensor, timestep_range: Sequence[float]) -> to
     if not 0.0 <= lo < hi <= 1.0:
         got = list(timestep_range)
         raise ValueError(f"timestep_range must be [min, max] with 0 <= min < max <= 1, got {got}")
+    if (lo, hi) == (0.0, 1.0):
+        return u  # 0 + 1 x u, exactly
     return lo + (hi - lo) * u
 
 

@@ -39,7 +39,10 @@ def vae_latents(dist: LatentDist, generator: torch.Generator | None, scaling: fl
     a CPU generator, so it does not depend on the device."""
     mean, std = dist.mean.float(), dist.std.float()
     eps = to_device(torch.randn(mean.shape, generator=generator, dtype=torch.float32), mean.device)
-    return (mean + std * eps - shift) * scaling
+    sample = torch.addcmul(mean, std, eps)  # mean + std x eps
+    if isinstance(shift, torch.Tensor) or shift != 0.0:
+        sample = sample - shift
+    return sample * scaling
 
 
 class ChannelNormalizedLatents:

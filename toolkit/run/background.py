@@ -11,8 +11,11 @@ import queue
 import threading
 from collections.abc import Callable
 
-#: seconds a writer thread waits for more work before it ends (the next write starts a new one)
-IDLE_S = 1.0
+#: seconds a writer thread waits for more work before it ends (the next write starts a new one). Longer than the
+#: status heartbeat's second and the usual time between metrics lines, so a running job keeps its threads: starting
+#: one amid the model's busy kernels costs milliseconds (the heartbeat's thread, started once a second, cost 0.04 ms
+#: per update on the 2-core benchmark; docs/performance.md)
+IDLE_S = 60.0
 
 
 class BackgroundWriter:

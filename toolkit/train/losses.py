@@ -37,19 +37,19 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: L
     if prediction.shape != target.shape:
         shapes = f"{tuple(prediction.shape)} and target {tuple(target.shape)}"
         raise ValueError(f"prediction {shapes} differ in shape")
-    residual = prediction.float() - target.float()
+    prediction, target = prediction.float(), target.float()
     if loss_type == "mse":
-        element = residual**2
+        element = torch.nn.functional.mse_loss(prediction, target, reduction="none")  # r^2, one operation
     elif loss_type == "mae":
-        element = residual.abs()
+        element = (prediction - target).abs()
     elif loss_type == "pseudo_huber":
         if not huber_c > 0:
             raise ValueError(f"huber_c must be > 0, got {huber_c}")
-        element = 2.0 * huber_c * (torch.sqrt(residual**2 + huber_c**2) - huber_c)
+        element = 2.0 * huber_c * (torch.sqrt((prediction - target) ** 2 + huber_c**2) - huber_c)
     else:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if weights is None:
-        return element.reshape(element.shape[0], -1).mean(dim=1)
+        return element.mean(dim=tuple(range(1, element.dim()))) if element.dim() > 1 else element
     return weighted_element_mean(element, weights)
 
 
