@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 import run  # noqa: E402
 from jobs.process.base_sd_train_process import BaseSDTrainProcess  # noqa: E402
+from toolkit.run import control  # noqa: E402
 from toolkit.run.monitor import Monitor  # noqa: E402
 
 
@@ -57,7 +58,10 @@ def interrupt_after(step: int, job: str | None = None):
     return wrapped(Monitor, "after_update", wrap)
 
 
+@contextmanager
 def control_after(plan: dict[int, list[str]]):
+    """The real `run.py --control` after the planned updates; control/ is looked at by every decision meanwhile (not
+    once per `POLL_S`), so a request acts at the update it follows, exactly."""
     def wrap(original):
         def after_update(self, update, readings, evaluated=None):
             original(self, update, readings, evaluated)
@@ -66,7 +70,12 @@ def control_after(plan: dict[int, list[str]]):
                                check=True, capture_output=True)
         return after_update
 
-    return wrapped(Monitor, "after_update", wrap)
+    every_decision, control.POLL_S = control.POLL_S, 0.0
+    try:
+        with wrapped(Monitor, "after_update", wrap):
+            yield
+    finally:
+        control.POLL_S = every_decision
 
 
 def fail_on_rank(rank: int, job: str | None):

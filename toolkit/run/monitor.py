@@ -169,10 +169,13 @@ class Monitor:
         """The update's values on the host (one transfer, which waits for the device), with the LR it used and
         the throughput since the last logged update. The losses the progress bar has not followed yet come in the
         same transfer and move its smoothed loss (`smoothed_loss`: the bar and the metrics line)."""
-        unread = [values[index].reshape(1) for values, index in self.unread_losses]
+        # the update's own loss is among the unread ones: read with its values, not joined to them again
+        unread = [values[index].reshape(1) for values, index in self.unread_losses if values is not update.values]
         values = torch.cat([update.values, *unread]).float().tolist() if unread else update.values.tolist()
+        losses = values[len(update.names):]
+        losses += [values[index] for unread_values, index in self.unread_losses if unread_values is update.values]
         self.unread_losses = []
-        for loss in values[len(update.names):]:
+        for loss in losses:
             self.smoothed_loss = loss if self.smoothed_loss is None else self.smoothed_loss + 0.1 * (loss - self.smoothed_loss)
         record = {"step": update.step, "epoch": update.epoch, **dict(zip(update.names, values))}
         record["smoothed_loss"] = self.smoothed_loss
