@@ -197,6 +197,36 @@ def test_metrics_lines_are_written_in_order_and_read_back_after_a_drain(tmp_path
     assert not (tmp_path / "off.jsonl").exists()
 
 
+def test_lines_that_come_fast_are_handed_over_together_and_a_late_one_at_once(tmp_path, monkeypatch):
+    from toolkit.run import metrics
+    from toolkit.run.metrics import MetricsWriter, read_metrics
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    handed = []
+    submit = writer.writer.submit
+    monkeypatch.setattr(writer.writer, "submit", lambda write: handed.append(write) or submit(write))
+    writer.write({"step": 1})  # the first line goes at once
+    for step in range(2, 6):  # four more within the hand-over interval wait
+        clock[0] += 0.1
+        writer.write({"step": step})
+    assert len(handed) == 1 and [r["step"] for r in writer.waiting] == [2, 3, 4, 5]
+    clock[0] += 0.2  # 0.6 s after the first hand-over: this line takes the waiting ones with it
+    writer.write({"step": 6})
+    assert len(handed) == 2 and not writer.waiting
+    writer.write({"step": 7})
+    writer.drain()  # a drain hands over what waits
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 8)) and len(handed) == 3
+    clock[0] += 10.0  # a line after a pause is written without waiting for another
+    writer.write({"step": 8})
+    writer.writer.drain()
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1] == {"step": 8}
+    writer.write({"step": 9})
+    writer.close()  # and close writes the last
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1] == {"step": 9}
+
+
 @pytest.fixture(scope="module")
 def steered_then_failed(tmp_path_factory):
     """One two-process launch (a launch costs two interpreters' imports): `steer`, whose main process asks for a

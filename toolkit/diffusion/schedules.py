@@ -55,6 +55,8 @@ class DDPMNoiseSchedule(NoiseSchedule):
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"unsupported prediction_type '{self.prediction_type}' in the scheduler config")
         self._coefficients: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: the same tables shaped [T, 1, ...] to broadcast over latents of a number of dims (`coefficients_at`)
+        self._shaped: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._alphas: dict[torch.device, torch.Tensor] = {}
 
     def timesteps(self, u: torch.Tensor) -> torch.Tensor:
@@ -73,10 +75,13 @@ class DDPMNoiseSchedule(NoiseSchedule):
 
     def coefficients_at(self, like: torch.Tensor, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both roots at each sample's timestep, shaped to broadcast over `like` (diffusers' values, bit for bit)."""
-        signal, sigma = self.coefficients(like.device, like.dtype)
+        key = (like.device, like.dtype, like.dim())
+        if key not in self._shaped:
+            shape = (-1,) + (1,) * (like.dim() - 1)
+            self._shaped[key] = tuple(table.reshape(shape) for table in self.coefficients(like.device, like.dtype))
+        signal, sigma = self._shaped[key]
         index = to_device(timesteps, like.device)
-        shape = (-1,) + (1,) * (like.dim() - 1)
-        return signal[index].reshape(shape), sigma[index].reshape(shape)
+        return signal.index_select(0, index), sigma.index_select(0, index)
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         signal, sigma = self.coefficients_at(latents, timesteps)

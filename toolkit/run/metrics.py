@@ -16,6 +16,10 @@ from toolkit.run.background import BackgroundWriter
 
 log = logging.getLogger("difftune")
 
+#: lines that come faster than this are handed to the writer thread together, once per this many seconds: waking the
+#: thread for every line cost the loop 0.04 ms per update at `log_every: 1` on the 2-core benchmark
+HAND_OVER_S = 0.5
+
 
 def progress_bars_wanted() -> bool:
     """False under `run.py --quiet`, which sets tqdm's own TQDM_DISABLE (so library bars go quiet too)."""
@@ -24,15 +28,18 @@ def progress_bars_wanted() -> bool:
 
 class MetricsWriter:
     """Appends one line per logged update and flushes it. The lines are encoded and written by a thread of their own,
-    in order (`BackgroundWriter`): the training loop hands a record over and goes on. A crash loses at most the
-    lines handed over in its last milliseconds (a resume writes every line after its checkpoint again anyway);
-    `drain` waits until every line handed over is in the file, before this process reads it (the report)."""
+    in order (`BackgroundWriter`): the training loop hands a record over and goes on; lines that come within
+    `HAND_OVER_S` of the last hand-over wait for the next line, `drain` or `close` and go together. A crash loses at
+    most the lines of its last half second (a resume writes every line after its checkpoint again anyway); `drain`
+    waits until every line written so far is in the file, before this process reads it (the report)."""
 
     def __init__(self, path: Path, enabled: bool = True):
         self.path = path
         self.enabled = enabled
         self._file = None
         self.writer = BackgroundWriter("metrics.jsonl writer")
+        self.waiting: list[dict] = []  # lines not handed to the writer thread yet
+        self.handed_at = -math.inf  # time.monotonic() of the last hand-over
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", encoding="utf-8")
@@ -40,16 +47,28 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self._file is None:
             return
-        self.writer.submit(partial(self._write_line, self._file, dict(record)))
+        self.waiting.append(dict(record))
+        now = time.monotonic()
+        if now - self.handed_at >= HAND_OVER_S:
+            self.hand_over(now)
+
+    def hand_over(self, now: float | None = None) -> None:
+        """The waiting lines to the writer thread (which raises here a write of it that failed)."""
+        lines, self.waiting = self.waiting, []
+        self.handed_at = time.monotonic() if now is None else now
+        if lines:
+            self.writer.submit(partial(self._write_lines, self._file, lines))
 
     @staticmethod
-    def _write_line(file, record: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        file.write(json.dumps(clean) + "\n")
+    def _write_lines(file, records: list[dict]) -> None:
+        for record in records:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            file.write(json.dumps(clean) + "\n")
         file.flush()
 
     def drain(self) -> None:
         if self._file is not None:
+            self.hand_over()
             self.writer.drain()
 
     def close(self) -> None:
@@ -58,6 +77,7 @@ class MetricsWriter:
         if self._file is None:
             return
         try:
+            self.hand_over()
             self.writer.drain()
         except OSError as error:
             log.warning("could not write %s: %s", self.path, error)

@@ -18,7 +18,7 @@ from toolkit.diffusion.timesteps import sample_timestep_u
 from toolkit.errors import UserError
 from toolkit.models.base import Expert, LatentDist, ModelAdapter, PromptEmbeds, join_padded
 from toolkit.train.losses import mask_weights, mse_loss, per_sample_loss, weighted_mean
-from toolkit.train.seeding import seeded_generator
+from toolkit.train.seeding import derive_seed, seeded_generator
 
 
 @dataclass
@@ -50,6 +50,8 @@ class DiffusionObjective:
         self.seed = seed
         self.adapter = adapter
         self.blank_embeds = blank_embeds
+        #: one CPU generator per purpose, seeded anew for every draw (`seeded_generator`'s state, without making one)
+        self.generators: dict[str, torch.Generator] = {}
         self.timestep_params = TimestepParams(**section.timestep_params.model_dump())
         if section.blank_prompt_preservation and blank_embeds is None:
             raise ValueError("blank-prompt preservation needs the blank prompt's embeddings")
@@ -63,7 +65,7 @@ class DiffusionObjective:
         cfg, schedule = self.cfg, self.adapter.noise_schedule
 
         def draws(purpose: str) -> torch.Generator:
-            return seeded_generator(self.seed, purpose, at.epoch, at.micro_batch, at.rank)
+            return self.seeded(purpose, at.epoch, at.micro_batch, at.rank)
 
         latents = self.batch_latents(batch, draws("latent_sample"))
         # drawn on the host (the same numbers on every device type), sent without waiting for the device
@@ -93,6 +95,14 @@ class DiffusionObjective:
             loss = loss + cfg.blank_prompt_preservation_multiplier * bpp
             parts["loss_bpp"] = bpp.detach()
         return LossResult(loss, parts, u, per_sample)
+
+    def seeded(self, purpose: str, *counters: int) -> torch.Generator:
+        """The purpose's generator, seeded for these counters: the state `seeded_generator` would make, in a generator
+        kept per purpose (each is used up within the micro-batch that seeds it)."""
+        generator = self.generators.get(purpose)
+        if generator is None:
+            generator = self.generators[purpose] = torch.Generator(device="cpu")
+        return generator.manual_seed(derive_seed(self.seed, purpose, *counters))
 
     def draw_timesteps(self, latents: torch.Tensor, generator: torch.Generator, at: StepDraw):
         """u per sample (and the sampler's loss weight, if any) for this update's place in training; where the family
