@@ -247,3 +247,17 @@ def test_a_picture_smaller_than_its_plan_is_cropped_as_pil_crops_it_and_kept_sto
     assert (pixels[:, :, 62:] == -1).all()
     copy = pickle.loads(pickle.dumps(kept))
     assert kept.pictures and copy.pictures == {} and copy.used == 0 and copy.budget == kept.budget
+
+
+def test_a_batch_of_mixed_shapes_or_missing_fields_is_refused_naming_the_field():
+    import torch
+
+    def sample(index: int, pixels: torch.Tensor | None) -> dict:
+        found = {"caption": "c", "index": index, "variant": None}
+        return found if pixels is None else found | {"pixels": pixels}
+
+    assert collate([sample(0, torch.zeros(3, 8, 8)), sample(1, torch.ones(3, 8, 8))])["pixels"].shape == (2, 3, 8, 8)
+    with pytest.raises(ValueError, match=r"mixes pixels shapes \[\(3, 8, 8\), \(3, 8, 16\)\]"):
+        collate([sample(0, torch.zeros(3, 8, 8)), sample(1, torch.zeros(3, 8, 16))])
+    with pytest.raises(ValueError, match="mixes pixels shapes .*1 samples lack it"):
+        collate([sample(0, torch.zeros(3, 8, 8)), sample(1, None)])

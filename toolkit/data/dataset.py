@@ -474,6 +474,8 @@ class ImageDataset(torch.utils.data.Dataset):
         self.latents = None
         #: decoded images the training process keeps (`DecodedImages`); loader workers keep none
         self.decoded: DecodedImages | None = None
+        #: each item's centre variant, planned once: the variant of every draw of a dataset that does not vary
+        self.centres: dict[int, Variant] = {}
 
     def __len__(self) -> int:
         return len(self.items)
@@ -483,7 +485,13 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def variant(self, index: int, epoch: int) -> Variant:
         item = self.items[index]
-        return draw_variant(item, self.options_for(item.dataset), self.seed, epoch, index)
+        options = self.options_for(item.dataset)
+        if not options.varies:  # `draw_variant`'s answer, without planning the crop again
+            centre = self.centres.get(index)
+            if centre is None:
+                centre = self.centres[index] = centre_variant(item)
+            return centre
+        return draw_variant(item, options, self.seed, epoch, index)
 
     def mask(self, item: TrainItem, variant: Variant) -> torch.Tensor:
         """The item's loss mask for a variant, in pixels (`load_mask`, with its dataset's `mask_min_value`)."""
@@ -572,8 +580,12 @@ def _stacked(samples: list[dict], fields: tuple[str, ...]) -> dict[str, torch.Te
         present = [s[field] for s in samples if field in s]
         if not present:
             continue
-        shapes = {tuple(t.shape) for t in present}
-        if len(present) != len(samples) or len(shapes) != 1:
-            raise ValueError(f"a batch mixes {field} shapes {sorted(shapes)}; batches must come from one bucket")
-        stacked[field] = torch.stack(present)
+        try:
+            if len(present) != len(samples):
+                raise RuntimeError(f"{len(samples) - len(present)} samples lack it")
+            stacked[field] = torch.stack(present)  # which checks the shapes
+        except RuntimeError as error:
+            shapes = sorted({tuple(t.shape) for t in present})
+            raise ValueError(f"a batch mixes {field} shapes {shapes} ({error}); batches must come from one "
+                             "bucket") from None
     return stacked
