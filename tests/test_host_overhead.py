@@ -118,3 +118,23 @@ def test_unset_num_workers_is_chosen_and_a_set_one_is_kept(monkeypatch):
     assert data.num_workers() == 4
     data.train = SimpleNamespace(runtime=SimpleNamespace(num_workers=3))
     assert data.num_workers() == 3
+
+
+def test_a_modules_first_weight_is_the_one_parameters_gives_first():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from toolkit.models.common import first_weight
+
+    class Holder(torch.nn.Module):  # no parameters of its own, an empty slot, then children
+        def __init__(self):
+            super().__init__()
+            self.empty = None
+            self.blocks = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(3, 4), torch.nn.Conv2d(4, 4, 1))
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+    holder = Holder()
+    adapted = inject_adapter_in_model(LoraConfig(r=2, target_modules=["1"]), Holder())
+    for module in (holder, holder.blocks, torch.nn.Linear(2, 2), adapted):
+        assert first_weight(module) is next(module.parameters())
+    with pytest.raises(ValueError, match="Identity has no parameters"):
+        first_weight(torch.nn.Identity())

@@ -208,11 +208,13 @@ class CachedCaptions:
     they can be told (`segment_spans`). Only datasets that move or drop segments (`shuffle_tokens`,
     `token_dropout_rate`) need them: for their captions `build` checks first that they can be told, and names the
     caption file otherwise (`SegmentsUnknown`); an entry written without them gets them from its caption when a view
-    first needs them."""
+    first needs them. `device`: where the embeddings go (the training device; the adapter's where not given, which
+    finding its first weight makes a walk of the module per micro-batch)."""
 
     def __init__(self, adapter: ModelAdapter, dataset: ImageDataset, cfgs: list[DatasetConfig], seed: int,
-                 trigger_word: str | None, roots: dict[int, Path]):
+                 trigger_word: str | None, roots: dict[int, Path], device: torch.device | None = None):
         self.adapter, self.dataset, self.cfgs, self.seed, self.trigger_word = adapter, dataset, cfgs, seed, trigger_word
+        self.device = device
         self.identity = adapter.encoder_identity("text")
         self.roots = roots
         self._recent = lru_cache(maxsize=RECENT_ENTRIES)(self._read)
@@ -367,4 +369,4 @@ class CachedCaptions:
                                         for v in views])
         length = views[0]["length"] if len(views) == 1 else torch.cat([v["length"] for v in views])  # host, read only
         pooled = torch.stack([v["pooled"] for v in views]) if all("pooled" in v for v in views) else None
-        return PromptEmbeds(embeds, mask, length, pooled).to(self.adapter.device)
+        return PromptEmbeds(embeds, mask, length, pooled).to(self.device or self.adapter.device)

@@ -79,7 +79,8 @@ class TrainingData:
                 placement.offload(adapter.image_encoder_modules(), "image encoder unload")
         seed = self.train.seed
         if self.train.cache_text_embeddings:
-            self.conditioning = CachedCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word, roots)
+            self.conditioning = CachedCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word, roots,
+                                               placement.device)
             with placement.visiting(adapter.text_encoder_modules()):
                 self.conditioning.build(accelerator)
             placement.offload(adapter.text_encoder_modules(), "text encoder unload")

@@ -174,8 +174,28 @@ def subfolder_weight_files(source: str, subfolder: str, variant: str | None, rev
     return weight_files(Path(folder) / subfolder, variant)
 
 
+def first_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The module's first parameter, as `next(module.parameters())` finds it (depth first, its own before its
+    children's), without the generators `parameters()` builds: a module's device is asked for at every micro-batch,
+    and diffusers' and transformers' `.device` walk every submodule (about 0.35 ms on a VAE; docs/performance.md)."""
+    found = _first_parameter(module)
+    if found is None:
+        raise ValueError(f"{type(module).__name__} has no parameters")
+    return found
+
+
+def _first_parameter(module: torch.nn.Module) -> torch.Tensor | None:
+    for parameter in module._parameters.values():
+        if parameter is not None:
+            return parameter
+    for child in module._modules.values():
+        found = None if child is None else _first_parameter(child)
+        if found is not None:
+            return found
+    return None
+
+
 def weights_placement(module: torch.nn.Module) -> dict:
-    """The device and dtype of a module's first weight, for `.to(**...)`: diffusers' `.device` and `.dtype` walk
-    every submodule (about 0.35 ms each on a VAE, twice per encoded batch; docs/performance.md)."""
-    weight = next(module.parameters())
+    """The device and dtype of a module's first weight (`first_weight`), for `.to(**...)`."""
+    weight = first_weight(module)
     return {"device": weight.device, "dtype": weight.dtype}

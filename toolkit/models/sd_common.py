@@ -11,7 +11,13 @@ from diffusers import DDPMScheduler
 
 from toolkit.diffusion.schedules import DDPMNoiseSchedule
 from toolkit.models.base import LatentDist, ModelAdapter
-from toolkit.models.common import CLIP_TEXT_TARGETS, ddpm_scheduler, vae_latent_dist, vae_latents
+from toolkit.models.common import (
+    CLIP_TEXT_TARGETS,
+    ddpm_scheduler,
+    first_weight,
+    vae_latent_dist,
+    vae_latents,
+)
 
 
 class StableDiffusionAdapter(ModelAdapter):
@@ -46,7 +52,7 @@ class StableDiffusionAdapter(ModelAdapter):
     @property
     def device(self) -> torch.device:
         # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
-        return next(self.unet.parameters()).device
+        return first_weight(self.unet).device
 
     def encode_latent_dist(self, pixels: torch.Tensor) -> LatentDist:
         return vae_latent_dist(self.vae, pixels)

@@ -34,6 +34,7 @@ from toolkit.models.base import (
 from toolkit.models.common import (
     dynamic_shift_schedule,
     encoder_identity,
+    first_weight,
     is_single_file,
     place_frozen,
     vae_latent_dist,
@@ -250,7 +251,7 @@ class FluxAdapter(ModelAdapter):
     @property
     def device(self) -> torch.device:
         # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
-        return next(self.transformer.parameters()).device
+        return first_weight(self.transformer).device
 
     # ---- text and images ---------------------------------------------------------------------------
 
@@ -259,10 +260,10 @@ class FluxAdapter(ModelAdapter):
         """As FluxPipeline.encode_prompt: T5's last hidden state over `max_sequence_length` padded tokens (no
         mask, as the pipeline passes none) and CLIP's pooled output."""
         clip = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
-        pooled = self.text_encoder(to_device(clip.input_ids, self.text_encoder.device),
+        pooled = self.text_encoder(to_device(clip.input_ids, first_weight(self.text_encoder).device),
                                    output_hidden_states=False).pooler_output
         t5 = self.tokenize(self.tokenizer_2, prompts, self.max_sequence_length)
-        embeds = self.text_encoder_2(to_device(t5.input_ids, self.text_encoder_2.device),
+        embeds = self.text_encoder_2(to_device(t5.input_ids, first_weight(self.text_encoder_2).device),
                                      output_hidden_states=False)[0]
         return PromptEmbeds(embeds, lengths=t5.attention_mask.sum(dim=1), pooled=pooled)
 

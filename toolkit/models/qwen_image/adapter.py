@@ -40,6 +40,7 @@ from toolkit.models.common import (
     ChannelNormalizedLatents,
     dynamic_shift_schedule,
     encoder_identity,
+    first_weight,
     is_single_file,
     place_frozen,
     subfolder_weight_files,
@@ -263,7 +264,7 @@ class QwenImageAdapter(ModelAdapter):
     @property
     def device(self) -> torch.device:
         # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
-        return next(self.transformer.parameters()).device
+        return first_weight(self.transformer).device
 
     # ---- text ----------------------------------------------------------------------------------------
 
@@ -274,7 +275,7 @@ class QwenImageAdapter(ModelAdapter):
         `max_sequence_length`, zero-padded to the longest prompt with a mask."""
         tokens = self.tokenize(self.tokenizer, [PROMPT_TEMPLATE.format(p) for p in prompts], MAX_TOKENS + TEMPLATE_DROP,
                                pad_to_max=False)
-        device = self.text_encoder.device
+        device = first_weight(self.text_encoder).device
         hidden = self.text_encoder.model(input_ids=to_device(tokens.input_ids, device),
                                          attention_mask=to_device(tokens.attention_mask, device)).last_hidden_state
         # the kept positions come from the host mask: indexing with a device mask would wait for the device

@@ -27,6 +27,7 @@ from toolkit.models.common import (
     ClipTextRules,
     ddpm_scheduler,
     encoder_identity,
+    first_weight,
     place_frozen,
 )
 from toolkit.models.sd15.config import FACTS, SD15ModelConfig
@@ -97,7 +98,7 @@ class SD15Adapter(StableDiffusionAdapter):
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         tokens = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
         with self.text_grad():
-            embeds = self.text_encoder(to_device(tokens.input_ids, self.text_encoder.device))[0]
+            embeds = self.text_encoder(to_device(tokens.input_ids, first_weight(self.text_encoder).device))[0]
         return PromptEmbeds(embeds, lengths=tokens.attention_mask.sum(dim=1))
 
     def text_encoder_components(self) -> list[LoraComponent]:

@@ -30,6 +30,7 @@ from toolkit.models.common import (
     ClipTextRules,
     ddpm_scheduler,
     encoder_identity,
+    first_weight,
     place_frozen,
     run_in_own_dtype,
 )
@@ -158,7 +159,7 @@ class SDXLAdapter(StableDiffusionAdapter):
         for tokenizer, encoder in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
             tokens = self.tokenize(tokenizer, prompts, tokenizer.model_max_length)
             with self.text_grad():
-                output = encoder(to_device(tokens.input_ids, encoder.device), output_hidden_states=True)
+                output = encoder(to_device(tokens.input_ids, first_weight(encoder).device), output_hidden_states=True)
             hidden.append(output.hidden_states[-2])
             if lengths is None:
                 lengths = tokens.attention_mask.sum(dim=1)

@@ -39,6 +39,7 @@ from toolkit.models.base import (
 from toolkit.models.common import (
     ChannelNormalizedLatents,
     encoder_identity,
+    first_weight,
     is_single_file,
     place_frozen,
     subfolder_weight_files,
@@ -390,7 +391,7 @@ class WanAdapter(ModelAdapter):
     @property
     def device(self) -> torch.device:
         # where the experts run (with low_vram one of them may be waiting on the CPU), else the transformer's
-        return self.swap.device if self.swap is not None else next(self._denoiser.parameters()).device
+        return self.swap.device if self.swap is not None else first_weight(self._denoiser).device
 
     # ---- text ----------------------------------------------------------------------------------------
 
@@ -400,7 +401,7 @@ class WanAdapter(ModelAdapter):
         its own tokens (`</s>` included; at most `max_sequence_length`), zero-padded to the longest with a mask."""
         tokens = self.tokenize(self.tokenizer, [prompt_clean(p) for p in prompts], self.max_sequence_length,
                                pad_to_max=False, add_special_tokens=True)
-        device = self.text_encoder.device
+        device = first_weight(self.text_encoder).device
         hidden = self.text_encoder(to_device(tokens.input_ids, device),
                                    to_device(tokens.attention_mask, device)).last_hidden_state
         lengths = tokens.attention_mask.sum(dim=1)

@@ -22,7 +22,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import WuerstchenNoiseSchedule
 from toolkit.models.base import Expert, LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
-from toolkit.models.common import ClipTextRules, encoder_identity, place_frozen
+from toolkit.models.common import ClipTextRules, encoder_identity, first_weight, place_frozen
 from toolkit.models.wuerstchen.config import FACTS, WuerstchenModelConfig
 from toolkit.models.wuerstchen.image_encoder import (
     IMAGENET_MEAN,
@@ -163,14 +163,14 @@ class WuerstchenAdapter(ModelAdapter):
     @property
     def device(self) -> torch.device:
         # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
-        return next(self.prior.parameters()).device
+        return first_weight(self.prior).device
 
     # ---- encoders ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         tokens = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
-        device = self.text_encoder.device
+        device = first_weight(self.text_encoder).device
         output = self.text_encoder(to_device(tokens.input_ids, device), attention_mask=to_device(tokens.attention_mask, device))
         return PromptEmbeds(output.last_hidden_state, lengths=tokens.attention_mask.sum(dim=1))
 

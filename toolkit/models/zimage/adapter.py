@@ -33,6 +33,7 @@ from toolkit.models.base import (
 from toolkit.models.common import (
     dynamic_shift_schedule,
     encoder_identity,
+    first_weight,
     is_single_file,
     vae_latent_dist,
     vae_latents,
@@ -270,7 +271,7 @@ class ZImageAdapter(ModelAdapter):
     @property
     def device(self) -> torch.device:
         # the first parameter: diffusers' `.device` walks every submodule (milliseconds per call, per step)
-        return next(self.transformer.parameters()).device
+        return first_weight(self.transformer).device
 
     # --- text ---------------------------------------------------------------------------------------------
 
@@ -288,7 +289,7 @@ class ZImageAdapter(ModelAdapter):
         batches, cached entries and the blank prompt stack and concatenate; `predict` drops the padding again.
         """
         tokens = self.tokenize(self.tokenizer, [self.chat_prompt(p) for p in prompts], self.max_sequence_length)
-        device = self.text_encoder.device
+        device = first_weight(self.text_encoder).device
         mask = tokens.attention_mask.bool()
         hidden = self.text_encoder(input_ids=to_device(tokens.input_ids, device), attention_mask=to_device(mask, device),
                                    output_hidden_states=True).hidden_states[-2]
