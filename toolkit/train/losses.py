@@ -39,7 +39,7 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: L
         raise ValueError(f"prediction {shapes} differ in shape")
     prediction, target = prediction.float(), target.float()
     if loss_type == "mse":
-        element = torch.nn.functional.mse_loss(prediction, target, reduction="none")  # r^2, one operation
+        element = (prediction - target).square()  # F.mse_loss would broadcast the pair first, an operation more
     elif loss_type == "mae":
         element = (prediction - target).abs()
     elif loss_type == "pseudo_huber":
@@ -82,7 +82,7 @@ def mask_weights(mask: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
 
 def weighted_mean(per_sample: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
     """mean_i(loss_i * prod_k weight_k,i): the micro-batch loss; None weights are skipped."""
-    total = per_sample.float()
+    total = per_sample if per_sample.dtype == torch.float32 else per_sample.float()
     for weight in weights:
         if weight is not None:
             total = total * to_device(weight, total.device, torch.float32)
