@@ -431,8 +431,8 @@ def uncached_figures(trainer, settings: Settings) -> dict:
                                        encoded=False)}
     updates = updates_per_round(trainer, settings)
     rounds = interleaved(ours, plain, settings.rounds, updates, settings.warmup)
-    with_workers = trainer.accelerator.prepare(trainer.data.make_dataloader(
-        pin_memory=trainer.accelerator.device.type == "cuda", workers=settings.workers))
+    with_workers = trainer.accelerator.prepare(trainer.data.make_dataloader(  # placed as the trainer's: by the trainer
+        pin_memory=trainer.accelerator.device.type == "cuda", workers=settings.workers), device_placement=[False])
     loaders = {"workers_0": ours, f"workers_{settings.workers}": DifftuneLoop(trainer, with_workers)}
     waits = alternated(loaders, max(1, settings.rounds // 3), updates, settings.warmup)
     return {

@@ -259,5 +259,5 @@ def test_a_batch_of_mixed_shapes_or_missing_fields_is_refused_naming_the_field()
     assert collate([sample(0, torch.zeros(3, 8, 8)), sample(1, torch.ones(3, 8, 8))])["pixels"].shape == (2, 3, 8, 8)
     with pytest.raises(ValueError, match=r"mixes pixels shapes \[\(3, 8, 8\), \(3, 8, 16\)\]"):
         collate([sample(0, torch.zeros(3, 8, 8)), sample(1, torch.zeros(3, 8, 16))])
-    with pytest.raises(ValueError, match="mixes pixels shapes .*1 samples lack it"):
+    with pytest.raises(ValueError, match="1 of a batch's 2 samples lack pixels"):
         collate([sample(0, torch.zeros(3, 8, 8)), sample(1, None)])

@@ -138,3 +138,31 @@ def test_a_modules_first_weight_is_the_one_parameters_gives_first():
         assert first_weight(module) is next(module.parameters())
     with pytest.raises(ValueError, match="Identity has no parameters"):
         first_weight(torch.nn.Identity())
+
+
+def test_a_batch_is_placed_tensor_by_tensor_its_pending_rows_too_and_its_lists_stay():
+    from toolkit.data.training_data import on_device
+
+    batch = {"captions": ["a"], "indices": [3], "variants": [None], "latent_mean": torch.ones(1, 4, 2, 2),
+             "mask": torch.ones(1, 1, 2, 2),
+             "pending": {"rows": [0], "keys": ["k"], "pixels": torch.zeros(1, 3, 8, 8)}}
+    placed = on_device(batch, torch.device("meta"))
+    assert placed["latent_mean"].device.type == placed["mask"].device.type == "meta"
+    assert placed["pending"]["pixels"].device.type == "meta"
+    assert (placed["captions"], placed["indices"], placed["pending"]["rows"], placed["pending"]["keys"]) == (
+        ["a"], [3], [0], ["k"])
+    assert batch["latent_mean"].device.type == "cpu"  # the loader's batch is left as it was
+    assert on_device(batch, torch.device("cpu"))["latent_mean"] is batch["latent_mean"]  # already there: not copied
+
+
+def test_the_objectives_kept_generators_draw_what_fresh_ones_draw():
+    from toolkit.train.objective import DiffusionObjective
+    from toolkit.train.seeding import seeded_generator
+
+    objective = DiffusionObjective.__new__(DiffusionObjective)  # only its seed and generators are used here
+    objective.seed, objective.generators = 7, {}
+    for counters in [(0, 0, 0), (0, 1, 0), (3, 2, 1), (0, 0, 0)]:
+        for purpose in ("noise", "timestep"):
+            kept = torch.randn(5, generator=objective.seeded(purpose, *counters))
+            assert torch.equal(kept, torch.randn(5, generator=seeded_generator(7, purpose, *counters)))
+    assert len(objective.generators) == 2

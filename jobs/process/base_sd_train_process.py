@@ -419,7 +419,8 @@ class BaseSDTrainProcess(BaseProcess):
         if self.ema is not None:
             self.ema.after_update(self.position.global_step)
         names = list(window[0]) + ["grad_norm"]
-        if acc.num_processes == 1 and len(window) == 1 and isinstance(grad_norm, torch.Tensor):
+        if (acc.num_processes == 1 and len(window) == 1 and isinstance(grad_norm, torch.Tensor)
+                and grad_norm.device == window[0]["loss"].device):  # torch gives a CPU 0 where nothing had gradients
             # one micro-batch's values are its means: one stack with the norm, no mean, reduction or join
             values = torch.stack([*window[0].values(), grad_norm]).float()  # promoted to one dtype
             return UpdateValues(self.position.global_step, self.position.epoch, lr, names, values)

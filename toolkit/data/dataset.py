@@ -580,12 +580,14 @@ def _stacked(samples: list[dict], fields: tuple[str, ...]) -> dict[str, torch.Te
         present = [s[field] for s in samples if field in s]
         if not present:
             continue
+        if len(present) != len(samples):
+            raise ValueError(f"{len(samples) - len(present)} of a batch's {len(samples)} samples lack {field}; "
+                             "batches must come from one bucket")
         try:
-            if len(present) != len(samples):
-                raise RuntimeError(f"{len(samples) - len(present)} samples lack it")
             stacked[field] = torch.stack(present)  # which checks the shapes
-        except RuntimeError as error:
+        except RuntimeError:
             shapes = sorted({tuple(t.shape) for t in present})
-            raise ValueError(f"a batch mixes {field} shapes {shapes} ({error}); batches must come from one "
-                             "bucket") from None
+            if len(shapes) == 1:
+                raise  # not a mix of shapes
+            raise ValueError(f"a batch mixes {field} shapes {shapes}; batches must come from one bucket") from None
     return stacked

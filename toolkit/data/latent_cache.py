@@ -94,8 +94,8 @@ class LatentCache:
         self.memory: dict[str, CachedLatent] = {}  # key -> entry, for datasets cached in memory
         self._digests: dict[Path, str] = {}
         self.keys = {i: self.key(item) for i, item in enumerate(dataset.items) if item.dataset in roots}
-        #: (item index, variant) -> key, each made once (`variant_key`): as many as the variants drawn, which each
-        #: hold an entry far larger than their key
+        #: (item index, variant) -> key, each made once (`variant_key`): at most the centre and its three mirrors
+        #: per item (random crops are not kept)
         self.variant_keys: dict[tuple[int, Variant], str] = {}
 
     def digest(self, path: Path) -> str:
@@ -189,9 +189,12 @@ class LatentCache:
         key is asked for every time it is drawn."""
         if variant is None:
             return self.keys[index]
+        item = self.dataset.items[index]
+        if self.dataset.options_for(item.dataset).random_crop:  # a random crop rarely recurs: not kept
+            return self.key(item, variant)
         key = self.variant_keys.get((index, variant))
         if key is None:
-            key = self.variant_keys[index, variant] = self.key(self.dataset.items[index], variant)
+            key = self.variant_keys[index, variant] = self.key(item, variant)
         return key
 
     def entry(self, item: TrainItem, key: str, variant: Variant | None) -> CachedLatent | None:

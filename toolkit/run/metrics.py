@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -16,8 +17,8 @@ from toolkit.run.background import BackgroundWriter
 
 log = logging.getLogger("difftune")
 
-#: lines that come faster than this are handed to the writer thread together, once per this many seconds: waking the
-#: thread for every line cost the loop 0.04 ms per update at `log_every: 1` on the 2-core benchmark
+#: lines are written at most this long after the loop hands them over, together: waking the writer thread for every
+#: line cost the loop 0.04 ms per update at `log_every: 1` on the 2-core benchmark (docs/performance.md)
 HAND_OVER_S = 0.5
 
 
@@ -28,18 +29,21 @@ def progress_bars_wanted() -> bool:
 
 class MetricsWriter:
     """Appends one line per logged update and flushes it. The lines are encoded and written by a thread of their own,
-    in order (`BackgroundWriter`): the training loop hands a record over and goes on; lines that come within
-    `HAND_OVER_S` of the last hand-over wait for the next line, `drain` or `close` and go together. A crash loses at
-    most the lines of its last half second (a resume writes every line after its checkpoint again anyway); `drain`
-    waits until every line written so far is in the file, before this process reads it (the report)."""
+    in order (`BackgroundWriter`): the training loop adds a record to the waiting lines and goes on; a line that finds
+    none waiting has the thread write them all once `HAND_OVER_S` has passed since the last were written (at once if
+    it has), whatever the loop does meanwhile. A crash loses at most the lines of its last half second (a resume
+    writes every line after its checkpoint again anyway); `drain` writes every line written so far to the file at
+    once and waits for it, before this process reads it (the report), and so does `close`."""
 
     def __init__(self, path: Path, enabled: bool = True):
         self.path = path
         self.enabled = enabled
         self._file = None
         self.writer = BackgroundWriter("metrics.jsonl writer")
-        self.waiting: list[dict] = []  # lines not handed to the writer thread yet
-        self.handed_at = -math.inf  # time.monotonic() of the last hand-over
+        self.lock = threading.Lock()  # the waiting lines are taken by the writer thread
+        self.waiting: list[dict] = []
+        self.written_at = -math.inf  # time.monotonic() when the thread last took the waiting lines
+        self.hurry = threading.Event()  # set by a drain: a write that waits for its time goes now
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", encoding="utf-8")
@@ -47,29 +51,33 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self._file is None:
             return
-        self.waiting.append(dict(record))
-        now = time.monotonic()
-        if now - self.handed_at >= HAND_OVER_S:
-            self.hand_over(now)
+        with self.lock:
+            self.waiting.append(dict(record))
+            first = len(self.waiting) == 1
+        if first:  # the others wait with it, for the write already on its way
+            self.writer.submit(partial(self._write_waiting, self.written_at + HAND_OVER_S))
 
-    def hand_over(self, now: float | None = None) -> None:
-        """The waiting lines to the writer thread (which raises here a write of it that failed)."""
-        lines, self.waiting = self.waiting, []
-        self.handed_at = time.monotonic() if now is None else now
-        if lines:
-            self.writer.submit(partial(self._write_lines, self._file, lines))
-
-    @staticmethod
-    def _write_lines(file, records: list[dict]) -> None:
+    def _write_waiting(self, due: float) -> None:
+        """(writer thread) At `due` (or once hurried), every waiting line into the file."""
+        self.hurry.wait(max(0.0, due - time.monotonic()))
+        with self.lock:
+            records, self.waiting = self.waiting, []
+            self.written_at = time.monotonic()
         for record in records:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-            file.write(json.dumps(clean) + "\n")
-        file.flush()
+            self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
 
     def drain(self) -> None:
-        if self._file is not None:
-            self.hand_over()
+        """Every line written so far in the file; then a write that failed is raised (after waiting for the rest)."""
+        if self._file is None:
+            return
+        self.hurry.set()
+        try:
+            self.writer.put(partial(self._write_waiting, -math.inf))
             self.writer.drain()
+        finally:
+            self.hurry.clear()
 
     def close(self) -> None:
         """Every line written, then the file closed. A failed write is logged here, not raised: close runs while a
@@ -77,8 +85,7 @@ class MetricsWriter:
         if self._file is None:
             return
         try:
-            self.hand_over()
-            self.writer.drain()
+            self.drain()
         except OSError as error:
             log.warning("could not write %s: %s", self.path, error)
         finally:
