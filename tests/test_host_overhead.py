@@ -41,14 +41,14 @@ def test_control_is_looked_at_once_per_poll_interval_and_a_request_waits_at_most
     stats = []
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda path, *a, **k: stats.append(str(path)) or real_stat(path, *a, **k))
+    began = time.monotonic()
     assert not any(run.take_requests().values())  # the first look
     control.request(tmp_path, "save")
     looked = stats.count(run.control_dir)
-    began = time.monotonic()
     while not run.take_requests()["save"]:
-        assert time.monotonic() - began < 0.3 + 0.2, "the request was not seen within the poll interval"
+        assert time.monotonic() - began < 0.3 + 1.0, "the request was not seen at the look after the poll interval"
     waited = time.monotonic() - began
-    assert 0.2 < waited and stats.count(run.control_dir) == looked + 1  # one stat for the second look, none between
+    assert waited >= 0.3 and stats.count(run.control_dir) == looked + 1  # one stat for the second look, none between
 
 
 def test_a_settled_empty_control_folder_is_only_stated(tmp_path, monkeypatch):

@@ -136,11 +136,21 @@ def test_status_file_follows_the_step_at_most_a_second_behind(tmp_path, monkeypa
         assert step - written.step <= 2 and clock[0] - written.updated_at < 1.0 and written.state == "running"
         seen.append(written.step)
     assert seen == [0, 0, 3, 3, 3, 6, 6]
-    # the end is written at once, after the heartbeat still on its way: never overwritten by it
+    # the end is written at once, without waiting for a heartbeat still on its way, and never overwritten by it
+    import threading
+    import time
+
+    held = threading.Event()
+    monitor.writer.submit(lambda: held.wait(10))  # the status thread busy: the next heartbeat waits behind it
     clock[0] += 1.0
     monitor.heartbeat(8)
-    monitor.ended("finished", 10)
+    began = time.monotonic()
+    monitor.ended("finished", 10)  # does not wait for it
+    assert time.monotonic() - began < 5
     assert control.read_status(tmp_path).state == "finished"
+    held.set()
+    monitor.writer.drain()
+    assert control.read_status(tmp_path).state == "finished"  # the late heartbeat was dropped
 
 
 def test_background_writes_run_in_order_raise_their_errors_and_the_thread_ends_when_idle(monkeypatch):
@@ -203,7 +213,7 @@ def test_lines_that_come_fast_are_written_together_within_the_hand_over_time_wha
     from toolkit.run import metrics
     from toolkit.run.metrics import MetricsWriter, read_metrics
 
-    monkeypatch.setattr(metrics, "HAND_OVER_S", 0.4)
+    monkeypatch.setattr(metrics, "HAND_OVER_S", 1.0)
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(path)
     handed = []

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -220,6 +221,11 @@ class RunMonitor:
                              total=previous.total if previous and not total else total)
         self.heartbeat_s = heartbeat_s
         self.writer = BackgroundWriter("status.json writer")
+        #: status.json's writes in the order they were made: a heartbeat still on its way when a later state was
+        #: written is dropped, not written over it (`_write_in_order`)
+        self.write_lock = threading.Lock()
+        self.writes_made = 0
+        self.writes_done = 0
         self.taken: list[Path] = []
         #: control/'s (inode, modification time) when last read empty, and when that was (`may_hold_requests`)
         self.quiet: tuple[tuple[int, int], float] | None = None
@@ -237,7 +243,15 @@ class RunMonitor:
         own (the fields as they are now), so the loop does not wait for the file system."""
         if self.enabled and time.time() - self.status.updated_at >= self.heartbeat_s:
             self.status.state, self.status.step = "running", step
-            self.writer.submit(partial(write_json_atomic, self.run_dir / STATUS_FILE, self.status.stamped()))
+            self.writes_made += 1
+            self.writer.submit(partial(self._write_in_order, self.writes_made, self.status.stamped()))
+
+    def _write_in_order(self, number: int, fields: dict) -> None:
+        """status.json as the `number`th write made it, unless a later one is written already."""
+        with self.write_lock:
+            if number > self.writes_done:
+                write_json_atomic(self.run_dir / STATUS_FILE, fields)
+                self.writes_done = number
 
     def take_requests(self) -> dict[str, bool]:
         """Which actions are requested now; the files are removed by `acknowledge` once acted on. Asked at every
@@ -303,12 +317,10 @@ class RunMonitor:
         self._write(state, self.status.step if step is None else step)
 
     def _write(self, state: str, step: int) -> None:
-        """status.json now, after any heartbeat still being written (which would otherwise land after it)."""
+        """status.json now, without waiting for a heartbeat still on its way (it is dropped if it comes later): a run
+        that fails is often ended by its launcher moments later, and its state must be written first."""
         if not self.enabled:
             return
-        try:
-            self.writer.drain()
-        except OSError as error:  # a heartbeat that failed earlier: the state being written now matters more
-            log.warning("could not write %s: %s", self.run_dir / STATUS_FILE, error)
         self.status.state, self.status.step = state, step
-        self.status.write(self.run_dir)
+        self.writes_made += 1
+        self._write_in_order(self.writes_made, self.status.stamped())

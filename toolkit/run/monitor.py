@@ -131,12 +131,8 @@ class Monitor:
         self.status.ended(state, step, error)
 
     def failed(self, error: BaseException, step: int) -> None:
-        """status.json says `failed`, after the metrics lines written so far are in their file (a watcher that sees
-        the state finds every line before it)."""
-        try:
-            self.metrics.drain()
-        except OSError as write_error:
-            log.warning("could not write %s: %s", self.metrics.path, write_error)
+        """status.json says `failed` at once: a launcher ends the other processes soon after one fails, so nothing
+        waits before it (the metrics lines follow when the monitor closes, at most half a second behind)."""
         self.ended("failed", step if self.status.planned else None, f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
