@@ -166,3 +166,15 @@ def test_the_objectives_kept_generators_draw_what_fresh_ones_draw():
             kept = torch.randn(5, generator=objective.seeded(purpose, *counters))
             assert torch.equal(kept, torch.randn(5, generator=seeded_generator(7, purpose, *counters)))
     assert len(objective.generators) == 2
+
+
+def test_a_tensor_already_of_the_dtype_and_device_is_returned_as_it_is():
+    from toolkit.device import as_dtype, to_device
+
+    tensor = torch.ones(2, 3)
+    assert as_dtype(tensor, torch.float32) is tensor and to_device(tensor, torch.device("cpu")) is tensor
+    assert to_device(tensor, "cpu", torch.float32) is tensor
+    converted = as_dtype(tensor, torch.bfloat16)
+    assert converted.dtype == torch.bfloat16 and tensor.dtype == torch.float32
+    assert to_device(tensor, "cpu", torch.float64).dtype == torch.float64
+    assert to_device(tensor, "meta").device.type == "meta"

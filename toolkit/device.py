@@ -51,6 +51,12 @@ def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dty
     return tensor.to(device=device, dtype=dtype)
 
 
+def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)`, without dispatching anything where it has that dtype already (a dozen times per
+    micro-batch: each dispatch is microseconds of host time between the model's kernels)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def flush() -> None:
     """Free cached memory (before saving, after sampling)."""
     gc.collect()

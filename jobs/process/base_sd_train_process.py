@@ -24,7 +24,7 @@ from toolkit.config.loader import check_paths
 from toolkit.config.schema import SDTrainerConfig
 from toolkit.data.dataset import scan_datasets
 from toolkit.data.training_data import TrainingData, usable_cores
-from toolkit.device import DTYPES, ModulePlacement, flush, memory_debug, modules_on, torch_dtype
+from toolkit.device import DTYPES, ModulePlacement, as_dtype, flush, memory_debug, modules_on, torch_dtype
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
 from toolkit.network.files import file_has_component, load_component, part_file, write_comfy_file
@@ -422,7 +422,7 @@ class BaseSDTrainProcess(BaseProcess):
         if (acc.num_processes == 1 and len(window) == 1 and isinstance(grad_norm, torch.Tensor)
                 and grad_norm.device == window[0]["loss"].device):  # torch gives a CPU 0 where nothing had gradients
             # one micro-batch's values are its means: one stack with the norm, no mean, reduction or join
-            values = torch.stack([*window[0].values(), grad_norm]).float()  # promoted to one dtype
+            values = as_dtype(torch.stack([*window[0].values(), grad_norm]), torch.float32)  # promoted to one dtype
             return UpdateValues(self.position.global_step, self.position.epoch, lr, names, values)
         means = window_means(window)
         if acc.num_processes > 1:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from diffusers import DDPMScheduler
 
-from toolkit.device import safe_module_to_device, to_device
+from toolkit.device import as_dtype, safe_module_to_device, to_device
 from toolkit.diffusion.timesteps import ShiftSchedule
 from toolkit.models.base import LatentDist, TextRules
 from toolkit.models.config import is_single_file  # noqa: F401  (the adapters take it from here)
@@ -37,7 +37,7 @@ def vae_latents(dist: LatentDist, generator: torch.Generator | None, scaling: fl
                 ) -> torch.Tensor:
     """A posterior sample as the denoiser sees it, (sample - shift) x scaling, float32. The noise is drawn on
     a CPU generator, so it does not depend on the device."""
-    mean, std = dist.mean.float(), dist.std.float()
+    mean, std = as_dtype(dist.mean, torch.float32), as_dtype(dist.std, torch.float32)
     eps = to_device(torch.randn(mean.shape, generator=generator, dtype=torch.float32), mean.device)
     sample = torch.addcmul(mean, std, eps)  # mean + std x eps
     if isinstance(shift, torch.Tensor) or shift != 0.0:

@@ -12,7 +12,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from toolkit.device import to_device
+from toolkit.device import as_dtype, to_device
 
 LossType = Literal["mse", "mae", "pseudo_huber"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
@@ -37,7 +37,7 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: L
     if prediction.shape != target.shape:
         shapes = f"{tuple(prediction.shape)} and target {tuple(target.shape)}"
         raise ValueError(f"prediction {shapes} differ in shape")
-    prediction, target = prediction.float(), target.float()
+    prediction, target = as_dtype(prediction, torch.float32), as_dtype(target, torch.float32)
     if loss_type == "mse":
         element = (prediction - target).square()  # F.mse_loss would broadcast the pair first, an operation more
     elif loss_type == "mae":
@@ -82,7 +82,7 @@ def mask_weights(mask: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
 
 def weighted_mean(per_sample: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
     """mean_i(loss_i * prod_k weight_k,i): the micro-batch loss; None weights are skipped."""
-    total = per_sample if per_sample.dtype == torch.float32 else per_sample.float()
+    total = as_dtype(per_sample, torch.float32)
     for weight in weights:
         if weight is not None:
             total = total * to_device(weight, total.device, torch.float32)

@@ -14,7 +14,7 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from toolkit.device import memory_debug, to_device
+from toolkit.device import as_dtype, memory_debug, to_device
 from toolkit.models.base import (
     Expert,
     LoraComponent,
@@ -115,7 +115,8 @@ class SD15Adapter(StableDiffusionAdapter):
                 expert: Expert | None = None) -> torch.Tensor:
         unet_dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
-        return denoiser(noisy.to(unet_dtype), timesteps, encoder_hidden_states=embeds.embeds.to(unet_dtype)).sample
+        return denoiser(as_dtype(noisy, unet_dtype), timesteps,
+                        encoder_hidden_states=as_dtype(embeds.embeds, unet_dtype)).sample
 
     def lora_target_modules(self) -> list[str]:
         return ["to_q", "to_k", "to_v", "to_out.0"]
