@@ -250,6 +250,35 @@ def test_training_with_both_caches_leaves_the_encoders_unused(tmp_path, registry
 
 
 @pytest.mark.slow
+def test_training_leaves_in_memory_cache_entries_as_they_were(tmp_path, registry, monkeypatch):
+    """A batch of one sample carries the caches' own tensors (`batch_of`): training must never write into them."""
+    from jobs.process.base_sd_train_process import BaseSDTrainProcess as SDTrainer
+
+    seen = {}
+    original_train = SDTrainer.train
+
+    def train_and_look(self):
+        latents, captions = self.data.dataset.latents, self.data.conditioning
+        keys = [captions.own_key(index) for index in range(len(self.data.dataset))]
+
+        def entries():
+            return ([t.clone() for e in latents.memory.values() for t in (e.dist.mean, e.dist.std)]
+                    + [t.clone() for key in keys for t in captions.load(key).values()])
+
+        seen["before"] = entries()
+        original_train(self)
+        seen["after"] = entries()
+
+    monkeypatch.setattr(SDTrainer, "train", train_and_look)
+    data = make_images(tmp_path / "data", 3, size=(64, 64))
+    datasets = [{"folder_path": str(data), "resolution": [64], "cache_latents": True}]
+    run_job(tmp_path, registry, "one_per_batch", datasets=datasets,
+            train={"steps": 4, "batch_size": 1, "cache_text_embeddings": True})
+    assert len(seen["before"]) >= 6 and len(seen["after"]) == len(seen["before"])
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], seen["after"], strict=True))
+
+
+@pytest.mark.slow
 def test_cached_latents_train_like_live_encoding(tmp_path, registry):
     data = make_images(tmp_path / "data", 6, size=(64, 64))
     live = [{"folder_path": str(data), "resolution": [64]}]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from toolkit.diffusion.noise import noise_offset
 from toolkit.diffusion.snr import min_snr_weights, snr_from_alphas_cumprod, snr_from_flow_sigmas
-from toolkit.train.losses import mse_loss, per_sample_loss, weighted_mean
+from toolkit.train.losses import batch_mean_loss, mse_loss, per_sample_loss, weighted_mean
 
 # two samples of shape [1, 1, 2]; residuals prediction - target: sample 0 (1, 2), sample 1 (2, -2)
 PRED = torch.tensor([[[[1.0, 2.0]]], [[[3.0, -1.0]]]])
@@ -141,3 +141,21 @@ def test_noise_offset_adds_one_seeded_shift_per_sample_and_channel():
 def test_noise_offset_zero_returns_the_noise_unchanged():
     noise = torch.randn(2, 4, 3, 3)
     assert noise_offset(noise, 0.0, torch.Generator().manual_seed(0)) is noise
+
+
+@pytest.mark.parametrize("loss_type", ["mse", "mae", "pseudo_huber"])
+def test_an_unweighted_batch_loss_is_the_mean_of_its_per_sample_losses_with_the_same_gradient(loss_type):
+    """Without per-sample weights the batch loss is taken over every element at once (one autograd node for mse);
+    value and gradient are those of the per-sample losses' mean."""
+    prediction = torch.randn(3, 4, 5, 5, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    target = torch.randn(3, 4, 5, 5, generator=torch.Generator().manual_seed(2))
+    whole = batch_mean_loss(prediction, target, loss_type, huber_c=0.5)
+    (whole_grad,) = torch.autograd.grad(whole, prediction)
+    per_sample = weighted_mean(per_sample_loss(prediction, target, loss_type, huber_c=0.5))
+    (per_sample_grad,) = torch.autograd.grad(per_sample, prediction)
+    torch.testing.assert_close(whole, per_sample)
+    torch.testing.assert_close(whole_grad, per_sample_grad)
+    if loss_type == "mse":
+        assert type(whole.grad_fn).__name__ == "MseLossBackward0"
+    with pytest.raises(ValueError, match="differ in shape"):
+        batch_mean_loss(prediction, target[:2], loss_type)

@@ -315,6 +315,18 @@ def test_objective_draws_are_a_pure_function_of_seed_and_position():
     assert set(first.parts) == {"loss_main"} and first.per_sample.shape == (2,)
 
 
+def test_the_loss_of_an_unweighted_batch_is_its_samples_mean_and_their_losses_are_still_given():
+    """Without masks, sampler or min-SNR weights the loss is made over all elements at once; each sample's loss (for
+    the timestep statistics) is the same as the weighted path gives, and outside the graph."""
+    at = StepDraw(epoch=0, micro_batch=1, rank=0, update_index=2, progress=0.0)
+    plain = DiffusionObjective(ObjectiveSection(), 42, FakeAdapter()).loss(batch(), embeds(), at)
+    weighted = DiffusionObjective(ObjectiveSection(min_snr_gamma=1e9), 42, FakeAdapter()).loss(batch(), embeds(), at)
+    assert type(plain.loss.grad_fn).__name__ == "MseLossBackward0" != type(weighted.loss.grad_fn).__name__
+    torch.testing.assert_close(plain.per_sample, weighted.per_sample.detach())
+    torch.testing.assert_close(plain.loss, plain.per_sample.mean())
+    assert not plain.per_sample.requires_grad and plain.per_sample is plain.per_sample  # made once, when asked
+
+
 def test_blank_prompt_base_pass_has_no_dropout_and_leaves_the_rng_alone():
     """The base model's own blank-prompt prediction is the target of the preservation term: computed with the
     adapters off and without dropout (eval mode), and without drawing from training's RNG streams."""

@@ -9,6 +9,7 @@ micro-batches between them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -351,7 +352,7 @@ class BaseSDTrainProcess(BaseProcess):
         for micro_batch, batch in self.data.epoch_batches(acc, pos):
             pos.micro_batch_in_epoch = micro_batch + 1
             samples += len(batch["indices"])
-            with acc.accumulate(self.trained_module):
+            with self.accumulating():
                 loss, parts = self.train_step(batch, pos.epoch, micro_batch)
                 self.backward(loss, micro_batch)
                 window.append({"loss": loss.detach(), **parts})
@@ -372,6 +373,14 @@ class BaseSDTrainProcess(BaseProcess):
         pos.epoch += 1
         pos.micro_batch_in_epoch = 0
         return False
+
+    def accumulating(self):
+        """accelerate's gradient accumulation around a micro-batch (it says whether the micro-batch ends an update:
+        `sync_gradients`); nothing where every micro-batch is an update: its bookkeeping at every step would say so
+        each time, and a DDP module syncs its gradients on every backward by default."""
+        if self.config.train.gradient_accumulation == 1:
+            return contextlib.nullcontext()
+        return self.accelerator.accumulate(self.trained_module)
 
     def train_step(self, batch: dict, epoch: int, micro_batch: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective's loss of one micro-batch and its named parts."""

@@ -573,8 +573,15 @@ def collate(samples: list[dict]) -> dict:
     return batch
 
 
+def batch_of(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of one shape stacked along a new batch dimension. One row gains the dimension as a view, not a copy: a
+    cached latent or text embedding is then the cache's own tensor, so nothing in training may write into a batch's
+    tensors (it does not: `test_training_leaves_in_memory_cache_entries_as_they_were`)."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+
+
 def _stacked(samples: list[dict], fields: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Each of `fields` that the samples have, stacked; every sample must have it, in one shape."""
+    """Each of `fields` that the samples have, stacked (`batch_of`); every sample must have it, in one shape."""
     stacked = {}
     for field in fields:
         present = [s[field] for s in samples if field in s]
@@ -584,7 +591,7 @@ def _stacked(samples: list[dict], fields: tuple[str, ...]) -> dict[str, torch.Te
             raise ValueError(f"{len(samples) - len(present)} of a batch's {len(samples)} samples lack {field}; "
                              "batches must come from one bucket")
         try:
-            stacked[field] = torch.stack(present)  # which checks the shapes
+            stacked[field] = batch_of(present)  # which checks the shapes
         except RuntimeError:
             shapes = sorted({tuple(t.shape) for t in present})
             if len(shapes) == 1:

@@ -30,7 +30,7 @@ from toolkit.data.captions import (
     segment_ranges,
     split_segments,
 )
-from toolkit.data.dataset import ImageDataset
+from toolkit.data.dataset import ImageDataset, batch_of
 from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter, PromptEmbeds, TextRules, join_padded
@@ -360,13 +360,13 @@ class CachedCaptions:
     def embeds_for(self, indices: list[int], epoch: int) -> PromptEmbeds:
         views = [self.view(index, epoch) for index in indices]
         if len({v["embeds"].shape for v in views}) == 1:  # one length (always, where prompts are padded): stacked
-            embeds = torch.stack([v["embeds"] for v in views])
+            embeds = batch_of([v["embeds"] for v in views])
             masks = [v.get("attention_mask") for v in views]
-            mask = torch.stack(masks) if all(m is not None for m in masks) else None
+            mask = batch_of(masks) if all(m is not None for m in masks) else None
         else:
             embeds, mask = join_padded([v["embeds"].unsqueeze(0) for v in views],
                                        [v["attention_mask"].unsqueeze(0) if "attention_mask" in v else None
                                         for v in views])
         length = views[0]["length"] if len(views) == 1 else torch.cat([v["length"] for v in views])  # host, read only
-        pooled = torch.stack([v["pooled"] for v in views]) if all("pooled" in v for v in views) else None
+        pooled = batch_of([v["pooled"] for v in views]) if all("pooled" in v for v in views) else None
         return PromptEmbeds(embeds, mask, length, pooled).to(self.device or self.adapter.device)

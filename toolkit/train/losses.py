@@ -53,6 +53,17 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: L
     return weighted_element_mean(element, weights)
 
 
+def batch_mean_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: LossType = "mse",
+                    huber_c: float = 0.1) -> torch.Tensor:
+    """The micro-batch loss where no sample is weighted (no mask, sampler or min-SNR weight): the mean of
+    `per_sample_loss` over its samples (all of one size), taken over every element at once. For mse that is torch's
+    own loss, one autograd node where per-sample means and then their mean are four for backward to run at every
+    update."""
+    if loss_type == "mse" and prediction.shape == target.shape:
+        return F.mse_loss(as_dtype(prediction, torch.float32), as_dtype(target, torch.float32))
+    return per_sample_loss(prediction, target, loss_type, huber_c).mean()
+
+
 def weighted_element_mean(element: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum(w e) / sum(w) per sample, [batch]: a sample whose weights are all 0 gives 0 and no gradient (not NaN)."""
     weights = to_device(weights, element.device, torch.float32).expand_as(element)

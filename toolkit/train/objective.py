@@ -5,6 +5,8 @@ trainer class."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,7 @@ from toolkit.diffusion.timestep_params import TimestepParams
 from toolkit.diffusion.timesteps import sample_timestep_u
 from toolkit.errors import UserError
 from toolkit.models.base import Expert, LatentDist, ModelAdapter, PromptEmbeds, join_padded
-from toolkit.train.losses import mask_weights, mse_loss, per_sample_loss, weighted_mean
+from toolkit.train.losses import batch_mean_loss, mask_weights, mse_loss, per_sample_loss, weighted_mean
 from toolkit.train.seeding import derive_seed, seeded_generator
 
 
@@ -40,7 +42,14 @@ class LossResult:
     loss: torch.Tensor
     parts: dict[str, torch.Tensor]
     u: torch.Tensor
-    per_sample: torch.Tensor
+    #: each sample's loss: made where the loss is made from it, else only when asked (`per_sample`)
+    sample_losses: torch.Tensor | Callable[[], torch.Tensor]
+
+    @property
+    def per_sample(self) -> torch.Tensor:
+        if callable(self.sample_losses):
+            self.sample_losses = self.sample_losses()
+        return self.sample_losses
 
 
 class DiffusionObjective:
@@ -84,11 +93,16 @@ class DiffusionObjective:
         if cfg.differential_guidance_scale is not None:
             anchor = prediction.detach()
             target = anchor + cfg.differential_guidance_scale * (target - anchor)
-        per_sample = per_sample_loss(prediction, target, cfg.loss_type, cfg.huber_c, self.loss_mask(batch, latents))
-        snr_weight = None
-        if cfg.min_snr_gamma is not None:
-            snr_weight = min_snr_weights(schedule.snr(timesteps), cfg.min_snr_gamma, schedule.prediction_type)
-        loss = weighted_mean(per_sample, sampler_weight, snr_weight)
+        mask = self.loss_mask(batch, latents)
+        if mask is None and sampler_weight is None and cfg.min_snr_gamma is None:
+            loss = batch_mean_loss(prediction, target, cfg.loss_type, cfg.huber_c)
+            per_sample = functools.partial(detached_sample_losses, prediction, target, cfg.loss_type, cfg.huber_c)
+        else:
+            per_sample = per_sample_loss(prediction, target, cfg.loss_type, cfg.huber_c, mask)
+            snr_weight = None
+            if cfg.min_snr_gamma is not None:
+                snr_weight = min_snr_weights(schedule.snr(timesteps), cfg.min_snr_gamma, schedule.prediction_type)
+            loss = weighted_mean(per_sample, sampler_weight, snr_weight)
         parts = {"loss_diff_guidance" if cfg.differential_guidance_scale else "loss_main": loss.detach()}
         if with_blank:
             bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction, sizes, expert)
@@ -175,6 +189,12 @@ class DiffusionObjective:
             dist = LatentDist(batch["latent_mean"], batch.get("latent_std"))
             return self.adapter.latents_from_dist(dist, generator)
         return self.adapter.encode_images(batch["pixels"], generator)
+
+
+def detached_sample_losses(prediction: torch.Tensor, target: torch.Tensor, loss_type, huber_c: float) -> torch.Tensor:
+    """Each sample's loss, outside the graph: for statistics of a loss that was made without them."""
+    with torch.no_grad():
+        return per_sample_loss(prediction.detach(), target.detach(), loss_type, huber_c)
 
 
 def concat_embeds(embeds: PromptEmbeds, blank: PromptEmbeds | None, batch: int) -> PromptEmbeds:
