@@ -153,6 +153,9 @@ class Round:
 
     durations: list[float] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
+    #: of each wait, the part before a loader worker had the batch ready (its stamp: `ready_stamped`); the whole
+    #: wait where the loop makes its batches itself. The rest of a wait is the batch's hand-over.
+    not_ready: list[float] = field(default_factory=list)
     #: difftune's update numbers (for its own metrics lines)
     steps: list[int] = field(default_factory=list)
 
@@ -162,6 +165,10 @@ class Round:
         if timed < 1:
             raise ValueError(f"a round of {len(self.durations)} updates has none after its {warmup} warm-up updates")
         return sum(self.durations[warmup:]) / timed, sum(self.waits[warmup:]) / timed
+
+    def not_ready_per_update(self, warmup: int) -> float:
+        """Seconds per update waited for batches not yet made (after the first `warmup` updates)."""
+        return sum(self.not_ready[warmup:]) / max(1, len(self.not_ready) - warmup)
 
 
 class DifftuneLoop:
@@ -212,13 +219,30 @@ def timed_batches(batches: Iterator, into: Round) -> Iterator:
     """The batches of an iterator, with the time each took to come recorded in `into.waits` (one per micro-batch;
     at batch 1 without accumulation, one per update)."""
     while True:
-        began = time.perf_counter()
+        began, asked = time.perf_counter(), time.monotonic()
         try:
             batch = next(batches)
         except StopIteration:
             return
-        into.waits.append(time.perf_counter() - began)
+        waited = time.perf_counter() - began
+        into.waits.append(waited)
+        ready_at = batch[1].get(READY_AT)
+        into.not_ready.append(waited if ready_at is None else min(waited, max(0.0, ready_at - asked)))
         yield batch
+
+
+#: the batch key of `ready_stamped`'s stamp
+READY_AT = "benchmark_ready_at"
+
+
+def ready_stamped(samples: list[dict]) -> dict:
+    """The trainer's collate in a loader worker, its batch stamped with when it was ready (`time.monotonic`: one
+    clock for every process of the machine), so that a wait can be told apart from the hand-over after it."""
+    from toolkit.data.handover import collate_in_worker
+
+    batch = collate_in_worker(samples)
+    batch[READY_AT] = time.monotonic()
+    return batch
 
 
 def difftune_updates(trainer, updates: int) -> float:
@@ -394,7 +418,8 @@ def alternated(loops: dict[str, DifftuneLoop], rounds: int, updates: int, warmup
     for number in range(rounds):
         first = number % len(names)
         for name in names[first:] + names[:first]:
-            results[name].append(loops[name].round(updates).steady(warmup))
+            done = loops[name].round(updates)
+            results[name].append((*done.steady(warmup), done.not_ready_per_update(warmup)))
     return results
 
 
@@ -414,8 +439,11 @@ def ratio(ours: list[tuple], plain: list[tuple]) -> dict:
 
 def loop_figures(rounds: list[tuple]) -> dict:
     """A loop's median seconds per update and its loader wait per update (ms) over the rounds."""
-    return {"s_per_update": statistics.median(r[0] for r in rounds),
-            "wait_ms_per_update": 1000 * statistics.median(r[1] for r in rounds)}
+    figures = {"s_per_update": statistics.median(r[0] for r in rounds),
+               "wait_ms_per_update": 1000 * statistics.median(r[1] for r in rounds)}
+    if all(len(r) > 2 for r in rounds):  # (alternated) of it, waited for batches not yet made
+        figures["not_ready_ms_per_update"] = 1000 * statistics.median(r[2] for r in rounds)
+    return figures
 
 
 def updates_per_round(trainer, settings: Settings) -> int:
@@ -431,8 +459,11 @@ def uncached_figures(trainer, settings: Settings) -> dict:
                                        encoded=False)}
     updates = updates_per_round(trainer, settings)
     rounds = interleaved(ours, plain, settings.rounds, updates, settings.warmup)
-    with_workers = trainer.accelerator.prepare(trainer.data.make_dataloader(  # placed as the trainer's: by the trainer
-        pin_memory=trainer.accelerator.device.type == "cuda", workers=settings.workers), device_placement=[False])
+    loader = trainer.data.make_dataloader(pin_memory=trainer.accelerator.device.type == "cuda", workers=settings.workers)
+    if settings.workers > 0:
+        loader.collate_fn = ready_stamped
+    # placed as the trainer's: by the trainer
+    with_workers = trainer.accelerator.prepare(loader, device_placement=[False])
     loaders = {"workers_0": ours, f"workers_{settings.workers}": DifftuneLoop(trainer, with_workers)}
     waits = alternated(loaders, max(1, settings.rounds // 3), updates, settings.warmup)
     return {
@@ -638,6 +669,9 @@ def table(results: dict) -> str:
              **{f"uncached alone, difftune {k}": v for k, v in u["loader"].items()}}
     rows = [(f"{name.replace('_', ' ')}: s/update (wait ms)", f"{v['s_per_update']:.4f} ({v['wait_ms_per_update']:.2f})")
             for name, v in loops.items()]
+    rows += [(f"uncached alone, difftune {name.replace('_', ' ')}: wait for batches not yet made",
+              f"{v['not_ready_ms_per_update']:.2f} of {v['wait_ms_per_update']:.2f} ms/update")
+             for name, v in u["loader"].items() if name != "workers_0" and "not_ready_ms_per_update" in v]
     own = u["own_metrics_time_s"]
     rows += [
         ("difftune's own metrics `time` vs harness clock", "-" if own is None else

@@ -23,8 +23,8 @@ def figures(tiny_sd15):
 
 
 def test_a_round_times_its_updates_after_the_warm_up():
-    done = Round(durations=[9.0, 2.0, 4.0], waits=[5.0, 1.0, 0.0])
-    assert done.steady(1) == (3.0, 0.5)
+    done = Round(durations=[9.0, 2.0, 4.0], waits=[5.0, 1.0, 0.0], not_ready=[5.0, 0.5, 0.0])
+    assert done.steady(1) == (3.0, 0.5) and done.not_ready_per_update(1) == 0.25
     with pytest.raises(ValueError, match="none after its 3 warm-up"):
         done.steady(3)
 
@@ -46,6 +46,10 @@ def test_benchmark_figures_come_out(figures):
     for loop in [*uncached["loops"].values(), *cached["loops"].values(), *uncached["loader"].values()]:
         assert loop["s_per_update"] > 0 and loop["wait_ms_per_update"] >= 0
     assert set(uncached["loader"]) == {"workers_0", "workers_1"}
+    worker = uncached["loader"]["workers_1"]  # its batches stamped when ready: a wait tells data from hand-over
+    assert 0 <= worker["not_ready_ms_per_update"] <= worker["wait_ms_per_update"]
+    itself = uncached["loader"]["workers_0"]  # a loop that makes its batches waits for nothing but that
+    assert itself["not_ready_ms_per_update"] == itself["wait_ms_per_update"]
     one_round = uncached["vs_plain_files"]  # one round: its ratio is the two loops' times
     assert one_round["median"] == pytest.approx(uncached["loops"]["difftune"]["s_per_update"]
                                                 / uncached["loops"]["plain_files"]["s_per_update"])
@@ -58,6 +62,7 @@ def test_benchmark_figures_come_out(figures):
     assert set(figures["data_loading_images_per_s"]) == {"workers_0", "workers_2"}
     assert figures["memory_after_training"]["rss_mib"] > 0
     assert f"uncached vs plain (a), files every step: {uncached['vs_plain_files']['median']:.3f}" in text
+    assert "uncached alone, difftune workers 1: wait for batches not yet made" in text
     assert f"cached vs plain (c), latents and embeddings in memory: {cached['vs_plain_encoded']['median']:.3f}" in text
 
 

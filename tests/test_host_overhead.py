@@ -5,6 +5,7 @@ averaged without an operation per part, and the default number of loader workers
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from types import SimpleNamespace
 
@@ -178,3 +179,33 @@ def test_a_tensor_already_of_the_dtype_and_device_is_returned_as_it_is():
     assert converted.dtype == torch.bfloat16 and tensor.dtype == torch.float32
     assert to_device(tensor, "cpu", torch.float64).dtype == torch.float64
     assert to_device(tensor, "meta").device.type == "meta"
+
+
+@pytest.mark.parametrize("tensor", [torch.randn(3, 8, 8), torch.randn(2, 5).to(torch.bfloat16), torch.tensor([True, False]),
+                                    torch.arange(6).reshape(2, 3), torch.empty(0, 4), torch.tensor(2.5)],
+                         ids=["float32", "bfloat16", "bool", "int64", "empty", "0-dim"])
+def test_a_small_tensor_from_a_loader_worker_travels_as_its_bytes_and_arrives_whole(tensor):
+    """Pickled as the worker's queue pickles it: bytes in the message (no shared-memory handle), back as a tensor of
+    its own with the same dtype, shape and values, writable."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from toolkit.data.handover import ByValue
+
+    message = ForkingPickler.dumps(ByValue(tensor))
+    assert len(message) >= tensor.numel() * tensor.element_size()  # the values are in the message
+    received = pickle.loads(message)
+    assert received.dtype == tensor.dtype and received.shape == tensor.shape and torch.equal(received, tensor)
+    assert received.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr() or tensor.numel() == 0
+    received.add_(1) if received.dtype != torch.bool else received.logical_not_()  # writable, as shared memory gives
+
+
+def test_a_workers_batch_sends_its_small_tensors_by_value_and_large_ones_through_shared_memory():
+    from toolkit.data.handover import BY_VALUE_BYTES, ByValue, by_value, collate_in_worker
+
+    large = torch.zeros(BY_VALUE_BYTES // 4 + 1)
+    batch = by_value({"pixels": torch.zeros(3, 8, 8), "large": large, "indices": [1, 2], "captions": ["a", "b"],
+                      "pending": {"pixels": torch.ones(1, 3, 8, 8), "rows": [0]}})
+    assert isinstance(batch["pixels"], ByValue) and isinstance(batch["pending"]["pixels"], ByValue)
+    assert batch["large"] is large and batch["indices"] == [1, 2] and batch["pending"]["rows"] == [0]
+    samples = [{"caption": "a", "index": 0, "variant": None, "pixels": torch.zeros(3, 8, 8)}]
+    assert isinstance(collate_in_worker(samples)["pixels"], ByValue)

@@ -15,6 +15,7 @@ import torch
 from toolkit.config.sections import DatasetConfig, TrainConfig
 from toolkit.data.buckets import BucketBatchSampler
 from toolkit.data.dataset import DecodedImages, ImageDataset, ImageRecord, build_dataset, collate
+from toolkit.data.handover import collate_in_worker
 from toolkit.data.latent_cache import LatentCache
 from toolkit.data.media import cache_root
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
@@ -110,7 +111,8 @@ class TrainingData:
         return torch.utils.data.DataLoader(
             self.dataset,
             batch_sampler=self.batch_sampler,
-            collate_fn=collate,
+            # a worker's small tensors come in its pipe, not through shared memory (toolkit/data/handover.py)
+            collate_fn=collate_in_worker if workers > 0 else collate,
             num_workers=workers,
             persistent_workers=workers > 0 and runtime.persistent_workers,
             pin_memory=pin_memory,
