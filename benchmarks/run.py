@@ -17,7 +17,8 @@ update, unless --device cuda says otherwise):
   spread (min/max and interquartile range, as % of the median). `--quick` runs the same rounds, fewer of them, so
   it estimates the same ratios;
 - loader wait: milliseconds per update the training loop spends blocked on the next batch, with 0 DataLoader
-  workers and with `--workers` of them;
+  workers and with `--workers` of them, and of the latter, the part before a worker had the batch ready (its
+  stamp) rather than the hand-over after it;
 - cache speed-up: seconds per update with the encoders live vs with latent and text-embedding caches;
 - start-up: seconds for the imports, the model load and the caches before the first update, and from
   `python run.py` on the quickstart job to its first update (a fresh process, outside clock);
