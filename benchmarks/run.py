@@ -169,7 +169,7 @@ class Round:
 
     def not_ready_per_update(self, warmup: int) -> float:
         """Seconds per update waited for batches not yet made (after the first `warmup` updates)."""
-        return sum(self.not_ready[warmup:]) / max(1, len(self.not_ready) - warmup)
+        return sum(self.not_ready[warmup:]) / (len(self.durations) - warmup)  # per update, as `steady` counts
 
 
 class DifftuneLoop:

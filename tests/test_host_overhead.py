@@ -207,5 +207,9 @@ def test_a_workers_batch_sends_its_small_tensors_by_value_and_large_ones_through
                       "pending": {"pixels": torch.ones(1, 3, 8, 8), "rows": [0]}})
     assert isinstance(batch["pixels"], ByValue) and isinstance(batch["pending"]["pixels"], ByValue)
     assert batch["large"] is large and batch["indices"] == [1, 2] and batch["pending"]["rows"] == [0]
+    # a large view (a batch of one: the latent cache's own entry) is copied, so the entry never moves to shared memory
+    entry = torch.zeros(BY_VALUE_BYTES // 4 + 1)
+    sent = by_value({"latent_mean": entry.unsqueeze(0)})["latent_mean"]
+    assert torch.equal(sent[0], entry) and sent.untyped_storage().data_ptr() != entry.untyped_storage().data_ptr()
     samples = [{"caption": "a", "index": 0, "variant": None, "pixels": torch.zeros(3, 8, 8)}]
     assert isinstance(collate_in_worker(samples)["pixels"], ByValue)

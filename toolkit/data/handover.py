@@ -43,10 +43,15 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -
 
 
 def by_value(value):
-    """A batch (a dict, nested dicts included) whose CPU tensors of up to `BY_VALUE_BYTES` are marked `ByValue`."""
+    """A batch (a dict, nested dicts included) whose CPU tensors of up to `BY_VALUE_BYTES` are marked `ByValue`. A
+    larger tensor that is a view of another (a batch of one sample is a view of its rows: `batch_of`, the latent
+    cache's own tensor in a worker) is copied first: torch would move the whole storage it views into shared memory,
+    for good, and the worker would keep a shared segment and its file descriptor per cache entry it ever sent."""
     if isinstance(value, torch.Tensor):
         small = value.device.type == "cpu" and value.numel() * value.element_size() <= BY_VALUE_BYTES
-        return ByValue(value) if small else value
+        if small:
+            return ByValue(value)
+        return value.clone() if value._base is not None else value
     if isinstance(value, dict):
         return {key: by_value(item) for key, item in value.items()}
     return value
