@@ -378,7 +378,7 @@ class BaseSDTrainProcess(BaseProcess):
         """accelerate's gradient accumulation around a micro-batch (it says whether the micro-batch ends an update:
         `sync_gradients`); nothing where every micro-batch is an update: its bookkeeping at every step would say so
         each time, and a DDP module syncs its gradients on every backward by default."""
-        if self.accelerator.gradient_accumulation_steps == 1:  # train.gradient_accumulation, as accelerate has it
+        if self.config.train.gradient_accumulation == 1:  # as `backward`, `loss_scale` and the plan count it
             return contextlib.nullcontext()
         return self.accelerator.accumulate(self.trained_module)
 
