@@ -174,7 +174,7 @@ class Round:
 
 class DifftuneLoop:
     """difftune's own training loop (`trainer.train()`), run for a number of updates at a time with `loader` (the
-    trainer's prepared DataLoader by default). Each update's end is stamped from the monitor; `between` (other
+    trainer's DataLoader by default; each round is a pass of it, from the round's first epoch). Each update's end is stamped from the monitor; `between` (other
     loops' updates) runs there, and the clock restarts after it. The time the loop spends blocked on its next batch
     is recorded per micro-batch."""
 
@@ -210,7 +210,7 @@ class DifftuneLoop:
             # the last round ended with its epoch: start the next one, as the trainer would after an empty skip
             position.epoch, position.micro_batch_in_epoch = position.epoch + 1, 0
         self.current, self.between = Round(), between or (lambda: None)
-        trainer.plan = trainer.monitor.plan = replace(trainer.plan, total_updates=trainer.position.global_step + updates)
+        trainer.plan = trainer.monitor.plan = trainer.plan.ending_at(trainer.position.global_step + updates)
         self.resumed = time.perf_counter()
         trainer.train()
         return self.current
@@ -248,7 +248,7 @@ def ready_stamped(samples: list[dict]) -> dict:
 
 def difftune_updates(trainer, updates: int) -> float:
     """Seconds per update of the real training loop for `updates` more updates, start-up included."""
-    trainer.plan = trainer.monitor.plan = replace(trainer.plan, total_updates=trainer.position.global_step + updates)
+    trainer.plan = trainer.monitor.plan = trainer.plan.ending_at(trainer.position.global_step + updates)
     started = time.perf_counter()
     trainer.train()
     finish_queued_work()
@@ -460,11 +460,11 @@ def uncached_figures(trainer, settings: Settings) -> dict:
                                        encoded=False)}
     updates = updates_per_round(trainer, settings)
     rounds = interleaved(ours, plain, settings.rounds, updates, settings.warmup)
-    loader = trainer.data.make_dataloader(pin_memory=trainer.accelerator.device.type == "cuda", workers=settings.workers)
+    acc = trainer.accelerator
+    with_workers = trainer.data.make_dataloader(pin_memory=acc.device.type == "cuda", workers=settings.workers,
+                                                processes=acc.num_processes, rank=acc.process_index)
     if settings.workers > 0:
-        loader.collate_fn = ready_stamped
-    # placed as the trainer's: by the trainer
-    with_workers = trainer.accelerator.prepare(loader, device_placement=[False])
+        with_workers.collate_fn = ready_stamped
     loaders = {"workers_0": ours, f"workers_{settings.workers}": DifftuneLoop(trainer, with_workers)}
     waits = alternated(loaders, max(1, settings.rounds // 3), updates, settings.warmup)
     return {

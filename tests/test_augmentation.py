@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from accelerate import skip_first_batches
-from accelerate.data_loader import prepare_data_loader
 from PIL import Image, ImageOps
 from safetensors.torch import load_file
 
@@ -46,7 +45,7 @@ from toolkit.train.plan import Position
 
 CPU = torch.device("cpu")
 SOLO = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, wait_for_everyone=lambda: None,
-                       skip_first_batches=skip_first_batches, device=CPU)
+                       device=CPU)
 
 
 def load_adapter() -> SD15Adapter:
@@ -99,17 +98,16 @@ def wide_and_tall(folder) -> None:
 
 def variants_seen(cfg: DatasetConfig, adapter, processes: int, workers: int = 0, skip: int = 0) -> dict:
     """(epoch, index) -> variant of every sample the trainer's data part yields on each of `processes` processes
-    (accelerate's sharding, as `prepare` does it), epochs 0 and 1 from micro-batch `skip`; each sample's pixels are
+    (sharded as accelerate shards, `RunBatchOrder`), epochs 0 and 1 from micro-batch `skip`; each sample's pixels are
     checked to be its variant's."""
     train = TrainConfig(steps=4, batch_size=2, seed=3, num_workers=workers, persistent_workers=True)
     data = TrainingData([cfg], None, train, adapter, ModulePlacement(CPU, low_vram=False))
     data.build_caches(SOLO)
     seen = {}
     for rank in range(processes):
-        data.dataloader = prepare_data_loader(data.make_dataloader(pin_memory=False), num_processes=processes,
-                                              process_index=rank, put_on_device=False)
+        data.dataloader = data.make_dataloader(pin_memory=False, processes=processes, rank=rank)
         for epoch in (0, 1):
-            for _, batch in data.epoch_batches(SOLO, Position(0, epoch, skip)):
+            for _, batch in data.one_epoch(CPU, Position(0, epoch, skip)):
                 for index, variant, pixels in zip(batch["indices"], batch["variants"], batch["pixels"], strict=True):
                     seen[(epoch, index)] = variant
                     assert torch.equal(pixels, load_pixels(data.dataset.items[index], variant))
@@ -134,6 +132,36 @@ def test_draws_are_the_same_on_one_and_two_processes_in_a_worker_and_after_a_res
     centres = {i: centre_variant(dataset.items[i]) for i in range(6)}
     assert any((v.left, v.top) != (centres[i].left, centres[i].top) for (_, i), v in one.items())
     assert {v.flip_x for v in one.values()} == {v.flip_y for v in one.values()} == {False, True}
+
+
+def test_one_pass_over_the_run_has_a_worker_load_the_next_epoch_while_this_one_trains(tmp_path, adapter):
+    """With a loader worker, the run's batches come in one pass over its epochs: each epoch's first batch was made
+    before the loop asked for it (a step of 50 ms between asks), as every other batch was, and the pass gives
+    every epoch's batches in their order, each sample with its epoch's draw."""
+    from benchmarks.run import READY_AT, ready_stamped
+
+    wide_and_tall(tmp_path / "data")
+    cfg = DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64], flip_x=True)
+    train = TrainConfig(steps=4, batch_size=2, seed=3, num_workers=1)
+    data = TrainingData([cfg], None, train, adapter, ModulePlacement(CPU, low_vram=False))
+    data.build_caches(SOLO)
+    data.dataloader = data.make_dataloader(pin_memory=False)
+    data.dataloader.collate_fn = ready_stamped
+    batches = data.run_batches(CPU, Position(), epochs=3)
+    late, order = [], []
+    time.sleep(0.2)  # the worker starts
+    for epoch in range(3):
+        asked = time.monotonic()
+        for micro_batch, batch in data.epoch_batches(batches, Position(0, epoch, 0)):
+            if batch[READY_AT] > asked:
+                late.append((epoch, micro_batch))
+            order.append(batch["indices"])
+            assert batch["variants"] == [data.dataset.variant(i, epoch) for i in batch["indices"]]
+            time.sleep(0.05)  # the step
+            asked = time.monotonic()
+    assert late == []
+    assert order == [batch for epoch in range(3) for batch in data.batch_sampler.batches_for_epoch(epoch)]
+    assert next(batches, None) is None  # the pass ends with its last epoch
 
 
 def test_draws_depend_only_on_seed_epoch_and_index_and_each_option_draws_alone(tmp_path):
@@ -260,11 +288,10 @@ def test_a_cached_dataset_keeps_every_variant_it_draws_and_batches_merge_them_in
     encoded = []
     original = adapter.encode_latent_dist
     monkeypatch.setattr(adapter, "encode_latent_dist", lambda pixels: encoded.append(1) or original(pixels))
-    data.dataloader = prepare_data_loader(data.make_dataloader(pin_memory=False), num_processes=1, process_index=0,
-                                          put_on_device=False)
+    data.dataloader = data.make_dataloader(pin_memory=False)
     drawn, mixed = set(), 0
     for epoch in (0, 1, 2):
-        for _, batch in data.epoch_batches(SOLO, Position(0, epoch, 0)):
+        for _, batch in data.one_epoch(CPU, Position(0, epoch, 0)):
             assert "pending" not in batch and "pixels" not in batch and len(batch["latent_mean"]) == 3
             keys = [cache.key(data.dataset.items[i], v) for i, v in zip(batch["indices"], batch["variants"])]
             mixed += len({key in centre_keys for key in keys}) == 2
@@ -277,7 +304,7 @@ def test_a_cached_dataset_keeps_every_variant_it_draws_and_batches_merge_them_in
     assert set(cache.memory) == centre_keys | drawn
     encoded.clear()
     for epoch in (0, 1, 2):  # every variant of these epochs is kept, and found though the worker asks again
-        list(data.epoch_batches(SOLO, Position(0, epoch, 0)))
+        list(data.one_epoch(CPU, Position(0, epoch, 0)))
     assert encoded == []
 
 

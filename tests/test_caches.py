@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from accelerate.data_loader import prepare_data_loader
 from helpers import make_image, make_images, trainer_process, write_job
 
 from jobs.job import get_job
@@ -156,11 +155,10 @@ def training_data(tmp_path, adapter, cached: list[bool]) -> tuple[TrainingData, 
 def test_a_cached_and_an_uncached_dataset_of_one_size_never_share_a_batch(tmp_path, adapter):
     data, _ = training_data(tmp_path, adapter, [True, False])
     cache = data.dataset.latents
-    data.dataloader = prepare_data_loader(data.make_dataloader(pin_memory=False), num_processes=1, process_index=0,
-                                          put_on_device=False)
+    data.dataloader = data.make_dataloader(pin_memory=False)
     for epoch in (0, 1):
         seen = []
-        for _, batch in data.epoch_batches(SOLO, Position(0, epoch, 0)):
+        for _, batch in data.one_epoch(torch.device("cpu"), Position(0, epoch, 0)):
             kinds = {cache.covers(index) for index in batch["indices"]}
             assert len(kinds) == 1 and ("latent_mean" in batch) == kinds.pop() and ("pixels" in batch) != (
                 "latent_mean" in batch)

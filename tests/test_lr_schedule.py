@@ -141,26 +141,37 @@ def assert_follows_plan(tmp_path, name: str, plan: TrainingPlan, log: str) -> No
     assert "recomputing the plan" not in log
 
 
-@pytest.mark.parametrize("processes", [2, 3, 4])
+@pytest.mark.parametrize("processes", [1, 2, 3, 4])
 @pytest.mark.parametrize("batches", [5, 7, 11])
-def test_the_plan_counts_the_micro_batches_accelerate_gives_each_process(processes, batches):
-    """Uneven shards on any process count: the plan's micro-batches per epoch are what accelerate's sharded loader
-    (the one the trainer prepares, batches of the bucket sampler) yields on every process, and its updates cover
-    them in windows of `gradient_accumulation`. The two-process launch checks the same end to end (`uneven11`)."""
+def test_the_run_order_gives_each_process_the_batches_accelerate_would(processes, batches):
+    """Uneven shards on any process count: every epoch of the run's order (`RunBatchOrder`, one pass over the
+    epochs) gives each process exactly the batches accelerate's prepared loader of the bucket sampler gives it that
+    epoch, as many as the plan's micro-batches per epoch, which its updates cover in windows of
+    `gradient_accumulation`. The two-process launch checks the same end to end (`uneven11`)."""
     from accelerate.data_loader import prepare_data_loader
 
     from toolkit.data.buckets import BucketBatchSampler
+    from toolkit.data.run_order import RunBatchOrder
 
-    plan = uneven_plan(batches, processes, epochs=2)
+    plan = uneven_plan(batches, processes, epochs=3)
     sampler = BucketBatchSampler([(1, 32, 32, False)] * batches, 1, seed=42)
     for rank in range(processes):
-        loader = prepare_data_loader(torch.utils.data.DataLoader(list(range(batches)), batch_sampler=sampler),
-                                     num_processes=processes, process_index=rank, put_on_device=False)
-        for epoch in range(2):
-            loader.set_epoch(epoch)
-            assert len(list(loader)) == len(loader) == plan.micro_batches_per_epoch
+        prepared = prepare_data_loader(torch.utils.data.DataLoader(list(range(batches)), batch_sampler=sampler),
+                                       num_processes=processes, process_index=rank, put_on_device=False)
+        order = RunBatchOrder(sampler, processes, rank)
+        expected = []
+        for epoch in range(3):
+            prepared.set_epoch(epoch)
+            sampler.set_epoch(epoch)  # as the trainer set both on accelerate's loader
+            shard = [batch.tolist() for batch in prepared]
+            assert order.epoch(epoch) == shard and len(shard) == order.per_epoch == plan.micro_batches_per_epoch
+            expected.append(shard)
+        order.start_at(0, 0, 3)
+        assert list(order) == [batch for shard in expected for batch in shard] and len(order) == 3 * order.per_epoch
+        order.start_at(1, 2, 3)  # resumed at micro-batch 2 of epoch 1: the rest of epoch 1, then epoch 2
+        assert list(order) == expected[1][2:] + expected[2] and len(order) == 2 * order.per_epoch - 2
     assert plan.updates_per_epoch == math.ceil(plan.micro_batches_per_epoch / 2)
-    assert plan.total_updates == 2 * plan.updates_per_epoch
+    assert plan.total_updates == 3 * plan.updates_per_epoch
 
 
 @pytest.mark.slow
@@ -189,3 +200,47 @@ def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(two_pro
     config, path = load_config(str(write_job(tmp_path / "one.yaml", "one", process)), registry)
     get_job(config, path, registry).run()
     assert [r["lr"] for r in read_metrics(tmp_path / "output" / "one" / "metrics.jsonl")] == pytest.approx(lrs)
+
+
+@pytest.mark.slow
+def test_an_update_gets_the_mean_gradient_of_its_window_a_short_one_too(tmp_path, registry, monkeypatch):
+    """3 images of batch 1 with accumulation 2 (an epoch: a window of 2 micro-batches, then a short one of 1), in an
+    environment that asks accelerate for 4: each update's gradient is the mean of its micro-batches' gradients,
+    each computed alone at the same weights and draws."""
+    from helpers import run_job
+
+    from jobs.process.base_sd_train_process import BaseSDTrainProcess
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    step, update = BaseSDTrainProcess.train_step, BaseSDTrainProcess.optimizer_update
+    alone, updates, asked = [], [], []
+
+    def step_also_alone(self, batch, epoch, micro_batch):
+        held = [p.grad for p in self.lora_params]
+        for param in self.lora_params:
+            param.grad = None
+        step(self, batch, epoch, micro_batch)[0].backward()  # the draws are a function of (epoch, micro-batch)
+        alone.append([p.grad.clone() for p in self.lora_params])
+        for param, grad in zip(self.lora_params, held):
+            param.grad = grad
+        return step(self, batch, epoch, micro_batch)
+
+    def recorded_update(self, window):
+        updates.append(([p.grad.clone() for p in self.lora_params], len(window)))
+        asked.append(self.accelerator.gradient_accumulation_steps)
+        return update(self, window)
+
+    monkeypatch.setattr(BaseSDTrainProcess, "train_step", step_also_alone)
+    monkeypatch.setattr(BaseSDTrainProcess, "optimizer_update", recorded_update)
+    data = make_images(tmp_path / "data", 3)
+    process = trainer_process(tmp_path, datasets=[{"folder_path": str(data), "resolution": [32]}],
+                              train={"batch_size": 1, "steps": 4, "gradient_accumulation": 2})
+    run_job(tmp_path, registry, "windows", process)
+    assert asked == [1, 1, 1, 1]  # accelerate's own, which would divide each loss again
+    assert [n for _, n in updates] == [2, 1, 2, 1] and len(alone) == 6
+    first = 0
+    for grads, n in updates:
+        mean = [torch.stack([alone[first + k][i] for k in range(n)]).mean(0) for i in range(len(grads))]
+        assert all(torch.allclose(g, m, rtol=1e-5, atol=1e-8) for g, m in zip(grads, mean, strict=True))
+        assert any(g.abs().sum() > 0 for g in grads)
+        first += n

@@ -375,9 +375,9 @@ def test_training_data_resumes_mid_epoch_without_loading_the_skipped_batches(tmp
     data = TrainingData([DatasetConfig(folder_path=str(folder), resolution=[32])], None, train, adapter,
                         ModulePlacement(torch.device("cpu"), low_vram=False))
     data.build_caches(accelerator)
-    data.dataloader = accelerator.prepare(data.make_dataloader(pin_memory=False))
-    full = [b["indices"] for _, b in data.epoch_batches(accelerator, Position(0, 1, 0))]
-    resumed = [(i, b["indices"]) for i, b in data.epoch_batches(accelerator, Position(0, 1, 2))]
+    data.dataloader = data.make_dataloader(pin_memory=False)
+    full = [b["indices"] for _, b in data.one_epoch(accelerator.device, Position(0, 1, 0))]
+    resumed = [(i, b["indices"]) for i, b in data.one_epoch(accelerator.device, Position(0, 1, 2))]
     assert len(full) == 3 and sorted(sum(full, [])) == list(range(6))
     assert resumed == [(2, full[2])]
     assert data.embeds_for({"indices": [0, 1]}, 1).embeds.shape[0] == 2

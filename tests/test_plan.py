@@ -30,3 +30,16 @@ def test_warmup_ratio_and_too_long_warmup():
 def test_recomputed_from_the_real_dataloader_length():
     plan = TrainingPlan.create(8, 4, 1, 1, steps=None, epochs=2)
     assert plan.with_micro_batches(5).total_updates == 10
+
+
+def test_an_update_ends_every_accumulation_window_and_each_epoch():
+    """11 micro-batches per epoch, accumulation 4: windows 0-3, 4-7 and the short 8-10 end an update each."""
+    plan = TrainingPlan.create(11, 11, 1, 4, steps=None, epochs=2)
+    assert [m for m in range(11) if plan.ends_update(m)] == [3, 7, 10] and plan.updates_per_epoch == 3
+    assert [m for m in range(11) if TrainingPlan.create(11, 11, 1, 1, 5, None).ends_update(m)] == list(range(11))
+
+
+def test_a_plan_ending_earlier_or_later_takes_the_epochs_it_needs():
+    plan = TrainingPlan.create(8, 4, 1, 1, steps=None, epochs=2)  # 4 updates per epoch
+    assert (plan.ending_at(5).total_updates, plan.ending_at(5).epochs) == (5, 2)
+    assert plan.ending_at(12).epochs == 3 and plan.ending_at(4).epochs == 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -101,7 +101,7 @@ class BaseSDTrainProcess(BaseProcess):
         self.folder = RunFolder(Path(cfg.training_folder) / self.job.name, self.job.name, cfg.model.facts.file_parts)
         network = cfg.network
         self.runtime = RunAccelerator(
-            cfg.train.runtime, cfg.device, self.folder.root, cfg.train.gradient_accumulation, cfg.logging.tensorboard,
+            cfg.train.runtime, cfg.device, self.folder.root, cfg.logging.tensorboard,
             # peft's LoKr/LoHa skip a dropped module's computation entirely (LoRA's module dropout multiplies by 0)
             unused_parameters=network.type != "lora" and network.module_dropout > 0)
         self.accelerator = self.runtime.accelerator
@@ -262,21 +262,21 @@ class BaseSDTrainProcess(BaseProcess):
         return plan
 
     def prepare_components(self) -> None:
-        """accelerate wraps the model, optimizer and dataloader; the LR scheduler is not prepared (it steps once
-        per real update here, whatever the process count)."""
+        """accelerate wraps the model and optimizer; the LR scheduler is not prepared (it steps once per real update
+        here, whatever the process count), nor is the dataloader: its order (`RunBatchOrder`) shards the batches as
+        accelerate would, in one pass over the run's epochs, and the trainer places each batch itself."""
         acc = self.accelerator
         workers = self.data.num_workers(self.runtime.processes_here)
         if self.config.train.runtime.num_workers is None and acc.is_main_process:
             log.info("data loader: %d worker process(es) per training process (train.num_workers unset: chosen "
                      "for %d cores)", workers, usable_cores())
-        dataloader = self.data.make_dataloader(pin_memory=acc.device.type == "cuda", workers=workers)
+        self.data.dataloader = self.data.make_dataloader(pin_memory=acc.device.type == "cuda", workers=workers,
+                                                         processes=acc.num_processes, rank=acc.process_index)
         if len(self.adapter.denoisers()) > 1:
             # experts: an update trains one of them, so the others' LoRA gets no gradient that update
             self.runtime.allow_unused_parameters()
         self.keep_frozen_out_of_ddp(self.adapter.trainable_module())
-        # the batches are placed by `TrainingData.epoch_batches` (only their tensors, without waiting for the device)
-        module, self.optimizer, self.data.dataloader = acc.prepare(self.adapter.trainable_module(), self.optimizer,
-                                                                   dataloader, device_placement=[None, None, False])
+        module, self.optimizer = acc.prepare(self.adapter.trainable_module(), self.optimizer)
         self.adapter.use_for_training(module)
         if self.text_params and acc.num_processes > 1:
             # DDP broadcasts rank 0's initial weights of the module it wraps; the text encoders' LoRA likewise here
@@ -285,7 +285,7 @@ class BaseSDTrainProcess(BaseProcess):
         self.trained_module = module
         #: what switches between training and eval mode: the wrapped denoiser and any trained text encoders
         self.trained_modules = [module, *(c.module for c in self.components if c.text_encoder)]
-        real = len(self.data.dataloader)
+        real = self.data.micro_batches_per_epoch
         if real != self.plan.micro_batches_per_epoch:
             log.warning("the dataloader yields %d micro-batches per process per epoch, the plan said %d; "
                         "recomputing the plan from the real length", real, self.plan.micro_batches_per_epoch)
@@ -337,28 +337,31 @@ class BaseSDTrainProcess(BaseProcess):
             if self.config.sample.sample_at_start and self.position.global_step == 0:
                 self.monitor.sample(step=0)
             self.monitor.open_progress(self.position.global_step)
+            batches = self.data.run_batches(self.accelerator.device, self.position, self.plan.epochs)
             while self.position.global_step < self.plan.total_updates:
-                if self.train_epoch(signal):
+                if self.train_epoch(batches, signal):
                     self.monitor.close_progress()
                     return self.stop_with_checkpoint()
         self.monitor.close_progress()
 
-    def train_epoch(self, signal: GracefulStop) -> bool:
-        """The micro-batches of one epoch; True when the run stops. Nothing here reads a value back from the device
-        except a logged update (and the progress bar, at most once a second), so the host keeps queueing work."""
-        pos, acc = self.position, self.accelerator
+    def train_epoch(self, batches: Iterator[dict], signal: GracefulStop) -> bool:
+        """The micro-batches of one epoch, taken from the run's `batches`; True when the run stops. Nothing here
+        reads a value back from the device except a logged update (and the progress bar, at most once a second), so
+        the host keeps queueing work."""
+        pos = self.position
         window: list[dict[str, torch.Tensor]] = []
         samples = 0
-        for micro_batch, batch in self.data.epoch_batches(acc, pos):
+        for micro_batch, batch in self.data.epoch_batches(batches, pos):
             pos.micro_batch_in_epoch = micro_batch + 1
             samples += len(batch["indices"])
-            with self.accumulating():
+            ends_update = self.plan.ends_update(micro_batch)
+            with self.gradient_sync(ends_update):
                 loss, parts = self.train_step(batch, pos.epoch, micro_batch)
                 self.backward(loss, micro_batch)
-                window.append({"loss": loss.detach(), **parts})
-                if not acc.sync_gradients:
-                    continue
-                update = self.optimizer_update(window)
+            window.append({"loss": loss.detach(), **parts})
+            if not ends_update:
+                continue
+            update = self.optimizer_update(window)
             self.monitor.throughput.count(samples, completed=update is not None)
             window, samples = [], 0
             if update is None:
@@ -374,13 +377,14 @@ class BaseSDTrainProcess(BaseProcess):
         pos.micro_batch_in_epoch = 0
         return False
 
-    def accumulating(self):
-        """accelerate's gradient accumulation around a micro-batch (it says whether the micro-batch ends an update:
-        `sync_gradients`); nothing where every micro-batch is an update: its bookkeeping at every step would say so
-        each time, and a DDP module syncs its gradients on every backward by default."""
-        if self.config.train.gradient_accumulation == 1:  # as `backward`, `loss_scale` and the plan count it
+    def gradient_sync(self, ends_update: bool):
+        """Around a micro-batch's backward: DDP averages the gradients over the processes only at the micro-batch
+        that ends an update (`TrainingPlan.ends_update`); the others accumulate locally (`no_sync`). The windows are
+        counted here, by the micro-batch's place in its epoch, not by accelerate's accumulation (which counts
+        batches since its prepared loader began, and which an environment variable can change)."""
+        if ends_update or self.accelerator.num_processes == 1:
             return contextlib.nullcontext()
-        return self.accelerator.accumulate(self.trained_module)
+        return self.accelerator.no_sync(self.trained_module)
 
     def train_step(self, batch: dict, epoch: int, micro_batch: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective's loss of one micro-batch and its named parts."""
@@ -392,21 +396,17 @@ class BaseSDTrainProcess(BaseProcess):
         return result.loss, result.parts
 
     def backward(self, loss: torch.Tensor, micro_batch: int) -> None:
-        """The micro-batch's gradients, through accelerate (which divides the loss by `gradient_accumulation` and
-        scales it for fp16) with the short-window scale (`loss_scale`). Without accumulation or a GradScaler both
-        are a division and a multiplication by 1, exact: the loss's own backward then gives the same gradients
-        without two more nodes to run."""
-        if self.config.train.gradient_accumulation == 1 and self.accelerator.scaler is None:
+        """The micro-batch's gradients: its loss divided by the size of its accumulation window (every window has
+        `gradient_accumulation` micro-batches except, possibly, an epoch's last: the update's gradient is the mean
+        over its window), scaled for fp16 by accelerate's GradScaler where there is one. Without accumulation the
+        loss's own backward runs, without a node for a division by 1."""
+        window = accumulation_window(micro_batch, self.plan.micro_batches_per_epoch, self.plan.gradient_accumulation)
+        if window > 1:
+            loss = loss / window
+        if self.accelerator.scaler is not None:
+            self.accelerator.backward(loss)  # accelerate's own accumulation is 1 (RunAccelerator): scaling only
+        else:
             loss.backward()
-            return
-        scale = self.loss_scale(micro_batch)
-        self.accelerator.backward(loss if scale == 1 else loss * scale)
-
-    def loss_scale(self, micro_batch: int) -> float:
-        """accelerate divides every loss by `gradient_accumulation`; a short last window of k micro-batches is
-        scaled back up by A / k so that its gradient is the mean over its k micro-batches."""
-        accumulation = self.config.train.gradient_accumulation
-        return accumulation / accumulation_window(micro_batch, self.plan.micro_batches_per_epoch, accumulation)
 
     def optimizer_update(self, window: list[dict[str, torch.Tensor]]) -> UpdateValues | None:
         """Clip, step the optimizer and (once) the LR scheduler. None when the optimizer skipped the step (fp16

@@ -321,8 +321,10 @@ class RuntimeSection(Section):
         "flips are still drawn every time. The first images that fit are kept; loader workers (`num_workers`) keep "
         "none, they decode ahead of the loop instead. 0: decode every time. Samples with cached latents read their "
         "image only for a variant the cache has no entry for yet.")
-    persistent_workers: bool = Field(True, description="Keep the DataLoader workers alive between epochs "
-                                     "(with num_workers > 0) instead of starting them again each epoch.",
+    persistent_workers: bool = Field(True, description="Keep the DataLoader workers for a further pass of the "
+                                     "loader. A run's loader makes one pass over all of its epochs, so its workers "
+                                     "live from the first epoch to the last either way; kept for configs from other "
+                                     "tools.",
                                      json_schema_extra=aka("persistent_data_loader_workers"))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -18,6 +19,7 @@ from toolkit.data.dataset import DecodedImages, ImageDataset, ImageRecord, build
 from toolkit.data.handover import collate_in_worker
 from toolkit.data.latent_cache import LatentCache
 from toolkit.data.media import cache_root
+from toolkit.data.run_order import RunBatchOrder
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
 from toolkit.device import ModulePlacement, to_device
 from toolkit.models.base import ModelAdapter, PromptEmbeds
@@ -103,17 +105,19 @@ class TrainingData:
         cache = self.dataset.latents
         return cache is None or not cache.covers_everything or cache.grows or any(cache.to_disk.values())
 
-    def make_dataloader(self, pin_memory: bool, workers: int | None = None,
-                        processes: int = 1) -> torch.utils.data.DataLoader:
-        """The dataloader of the batch order; `workers` overrides `num_workers(processes)`."""
+    def make_dataloader(self, pin_memory: bool, workers: int | None = None, processes: int = 1,
+                        rank: int = 0) -> torch.utils.data.DataLoader:
+        """The dataloader of this process's batches (`RunBatchOrder`: process `rank` of `processes`, a pass over
+        every epoch; `run_batches` sets where it starts); `workers` overrides `num_workers()`."""
         runtime = self.train.runtime
-        workers = self.num_workers(processes) if workers is None else workers
+        workers = self.num_workers() if workers is None else workers
         return torch.utils.data.DataLoader(
             self.dataset,
-            batch_sampler=self.batch_sampler,
+            batch_sampler=RunBatchOrder(self.batch_sampler, processes, rank),
             # a worker's small tensors come in its pipe, not through shared memory (toolkit/data/handover.py)
             collate_fn=collate_in_worker if workers > 0 else collate,
             num_workers=workers,
+            # a pass spans the run's epochs; this keeps the workers for a later pass too (a new `run_batches`)
             persistent_workers=workers > 0 and runtime.persistent_workers,
             pin_memory=pin_memory,
             # Each new iterator draws a worker seed; its own generator keeps that draw out of the global RNG, so a
@@ -121,19 +125,33 @@ class TrainingData:
             generator=torch.Generator().manual_seed(self.train.seed),
         )
 
-    def epoch_batches(self, accelerator, position: Position):
-        """This epoch's micro-batches on this process, from the resumed position (skipped, not loaded), each with its
-        variants that the latent cache had no entry for encoded now (`complete`)."""
-        skip = position.micro_batch_in_epoch
-        loader = accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader
-        # accelerate's loader passes its own iteration count to the sampler when iterated; a resumed run (or a
-        # skip loader) starts that count at 0, so set it to the real epoch on both.
-        loader.set_epoch(position.epoch)
-        self.batch_sampler.set_epoch(position.epoch)
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches per epoch on this process, as the dataloader's order gives them."""
+        return self.dataloader.batch_sampler.per_epoch
+
+    def run_batches(self, device: torch.device, position: Position, epochs: int) -> Iterator[dict]:
+        """This process's batches from the (resumed) position to the end of epoch `epochs - 1`, in one pass of the
+        dataloader (its workers start loading now), each placed on `device` and completed (`complete`) when taken.
+        The micro-batches skipped to reach the position are not loaded."""
+        self.dataloader.batch_sampler.start_at(position.epoch, position.micro_batch_in_epoch, epochs)
+        return (self.complete(on_device(batch, device)) for batch in self.dataloader)
+
+    def epoch_batches(self, batches: Iterator[dict], position: Position) -> Iterator[tuple[int, dict]]:
+        """The position's epoch as (micro-batch in the epoch, batch), from its micro-batch on, taken from the run's
+        batches (`run_batches`)."""
         self.conditioning.start_epoch(position.epoch)
-        device = accelerator.device
-        return ((micro_batch, self.complete(on_device(batch, device)))
-                for micro_batch, batch in enumerate(loader, start=skip))
+        for micro_batch in range(position.micro_batch_in_epoch, self.micro_batches_per_epoch):
+            batch = next(batches, None)
+            if batch is None:
+                raise RuntimeError(f"the dataloader's pass ended at micro-batch {micro_batch} of epoch "
+                                   f"{position.epoch}: the run's batches were asked past its last epoch")
+            yield micro_batch, batch
+
+    def one_epoch(self, device: torch.device, position: Position) -> Iterator[tuple[int, dict]]:
+        """The position's epoch alone, from its micro-batch on (a pass of one epoch: no loading ahead into the
+        next)."""
+        return self.epoch_batches(self.run_batches(device, position, position.epoch + 1), position)
 
     def complete(self, batch: dict) -> dict:
         """The batch with its pending rows (variants without a latent cache entry yet) encoded and stored."""

@@ -11,8 +11,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import (
-    DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
@@ -78,8 +78,8 @@ class RunAccelerator:
     """accelerate's Accelerator for one run, and the host group beside it; `close` forgets accelerate's
     process-wide state so that the next job of the same process can choose its own."""
 
-    def __init__(self, runtime: RuntimeSection, device: str, run_dir: Path, gradient_accumulation: int,
-                 tensorboard: bool = False, unused_parameters: bool = False):
+    def __init__(self, runtime: RuntimeSection, device: str, run_dir: Path, tensorboard: bool = False,
+                 unused_parameters: bool = False):
         refuse_sharded_launch()
         target = target_device(device)
         if target.type == "cuda" and target.index is not None:
@@ -90,11 +90,11 @@ class RunAccelerator:
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] if unused_parameters else None,
             cpu=target.type == "cpu",
             mixed_precision=self.mixed_precision,
-            gradient_accumulation_steps=gradient_accumulation,
+            # the trainer counts its accumulation windows itself (`train.gradient_accumulation`, by the micro-batch's
+            # place in its epoch); accelerate's stays 1, which ACCELERATE_GRADIENT_ACCUMULATION_STEPS cannot change
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
             log_with="tensorboard" if tensorboard else None,
             project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
-            # batches come from pinned memory (see the DataLoader); their copies need not stop the host
-            dataloader_config=DataLoaderConfiguration(non_blocking=target.type == "cuda"),
             dynamo_plugin=dynamo_plugin(runtime),
         )
         self.host_group = host_process_group(self.accelerator.num_processes)

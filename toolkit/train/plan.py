@@ -1,7 +1,7 @@
 """TrainingPlan: the step arithmetic of a run, as a pure function of its sizes.
 
-A step is one optimizer update. With N processes, accelerate shards the batches so that every process
-sees ceil(batches / N) micro-batches per epoch (it repeats a few batches to even out the shards); an
+A step is one optimizer update. With N processes, the batches are sharded as accelerate shards them: every process
+sees ceil(batches / N) micro-batches per epoch (a few batches repeated to even out the shards); an
 update happens every `gradient_accumulation` micro-batches, and a trailing partial window still updates.
 """
 
@@ -51,7 +51,7 @@ class TrainingPlan:
         return plan.with_micro_batches(math.ceil(batches / processes))
 
     def with_micro_batches(self, micro_batches_per_epoch: int) -> TrainingPlan:
-        """The plan for a given per-process dataloader length (used again after accelerate.prepare)."""
+        """The plan for a given per-process dataloader length (used again once the dataloader is made)."""
         updates_per_epoch = math.ceil(micro_batches_per_epoch / self.gradient_accumulation)
         if self.requested_steps is not None:
             total = self.requested_steps
@@ -73,6 +73,16 @@ class TrainingPlan:
             warmup_updates=warmup,
             epochs=math.ceil(total / updates_per_epoch),
         )
+
+    def ending_at(self, total_updates: int) -> TrainingPlan:
+        """The same plan with its last update at `total_updates` (and the epochs that takes)."""
+        return replace(self, total_updates=total_updates,
+                       epochs=math.ceil(total_updates / self.updates_per_epoch))
+
+    def ends_update(self, micro_batch: int) -> bool:
+        """Whether micro-batch `micro_batch` (0-based, in its epoch) is the last of its accumulation window: every
+        `gradient_accumulation`-th, and an epoch's last (a short window still updates)."""
+        return (micro_batch + 1) % self.gradient_accumulation == 0 or micro_batch + 1 == self.micro_batches_per_epoch
 
     @property
     def repeated_batches(self) -> int:

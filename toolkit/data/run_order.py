@@ -1,0 +1,75 @@
+"""The batch order of a whole run on one process: each epoch's batches of the bucket order, sharded across the
+processes as accelerate shards them, one epoch after the other in one pass, from a (resumed) position.
+
+One pass over every epoch keeps a DataLoader's workers busy across an epoch's end: they load the next epoch's
+first batches while this epoch's last ones train. A loader iterated once per epoch starts loading only when the
+epoch begins, so a step waits for each epoch's first batch (docs/performance.md). The sharding itself is
+accelerate's `BatchSamplerShard` (every process gets every N-th batch of an epoch, the first ones repeated to even
+out the shards), applied per epoch, so the batches are those that `accelerator.prepare` gave an epoch's loader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from accelerate.data_loader import BatchSamplerShard
+
+from toolkit.data.buckets import BucketBatchSampler, EpochIndex
+
+
+class EpochOrder:
+    """One epoch of the bucket order, read as accelerate's shard reads a batch sampler (`batch_size = None`: batches
+    of varying length, repeated whole to even out the shards)."""
+
+    batch_size = None
+    drop_last = False
+
+    def __init__(self, order: BucketBatchSampler, epoch: int):
+        self.order = order
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[EpochIndex]]:
+        for batch in self.order.batches_for_epoch(self.epoch):
+            yield [EpochIndex(index, self.epoch) for index in batch]
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+class RunBatchOrder:
+    """A DataLoader's batch sampler: this process's micro-batches of epochs `start_epoch` .. `end_epoch - 1`, the
+    first `skip` of the first epoch left out (not loaded). `start_at` sets the range before each pass."""
+
+    def __init__(self, order: BucketBatchSampler, processes: int = 1, rank: int = 0):
+        if not 0 <= rank < processes:
+            raise ValueError(f"process {rank} of {processes}")
+        self.order = order
+        self.processes = processes
+        self.rank = rank
+        self.start_epoch, self.skip, self.end_epoch = 0, 0, 1
+
+    def epoch(self, epoch: int) -> list[list[EpochIndex]]:
+        """This process's micro-batches of an epoch, in order."""
+        batches = EpochOrder(self.order, epoch)
+        if self.processes == 1:  # as accelerate: one process is not sharded
+            return list(batches)
+        return list(BatchSamplerShard(batches, self.processes, self.rank, split_batches=False, even_batches=True))
+
+    @property
+    def per_epoch(self) -> int:
+        """Micro-batches per epoch on this process: ceil(batches / processes)."""
+        return -(-len(self.order) // self.processes)
+
+    def start_at(self, epoch: int, skip: int, end_epoch: int) -> None:
+        if skip < 0 or epoch < 0:
+            raise ValueError(f"no micro-batch {skip} of epoch {epoch}")
+        self.start_epoch, self.skip, self.end_epoch = epoch, skip, end_epoch
+
+    def __iter__(self) -> Iterator[list[EpochIndex]]:
+        return self.pass_over(self.start_epoch, self.skip, self.end_epoch)
+
+    def pass_over(self, start_epoch: int, skip: int, end_epoch: int) -> Iterator[list[EpochIndex]]:
+        for epoch in range(start_epoch, end_epoch):
+            yield from self.epoch(epoch)[skip if epoch == start_epoch else 0:]
+
+    def __len__(self) -> int:
+        return max(0, (self.end_epoch - self.start_epoch) * self.per_epoch - self.skip)
