@@ -6,6 +6,7 @@ are checked against accelerate's own sharded loader in this process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -170,6 +171,8 @@ def test_the_run_order_gives_each_process_the_batches_accelerate_would(processes
         assert list(order) == [batch for shard in expected for batch in shard] and len(order) == 3 * order.per_epoch
         order.start_at(1, 2, 3)  # resumed at micro-batch 2 of epoch 1: the rest of epoch 1, then epoch 2
         assert list(order) == expected[1][2:] + expected[2] and len(order) == 2 * order.per_epoch - 2
+        order.start_at(1, 2)  # a run's pass: no end, epoch after epoch
+        assert list(itertools.islice(order, 2 * order.per_epoch - 2)) == expected[1][2:] + expected[2]
     assert plan.updates_per_epoch == math.ceil(plan.micro_batches_per_epoch / 2)
     assert plan.total_updates == 3 * plan.updates_per_epoch
 
@@ -244,3 +247,23 @@ def test_an_update_gets_the_mean_gradient_of_its_window_a_short_one_too(tmp_path
         assert all(torch.allclose(g, m, rtol=1e-5, atol=1e-8) for g, m in zip(grads, mean, strict=True))
         assert any(g.abs().sum() > 0 for g in grads)
         first += n
+
+
+@pytest.mark.slow
+def test_a_skipped_update_takes_the_run_past_its_planned_epochs(tmp_path, registry, monkeypatch):
+    """`epochs: 1` of 4 images at batch 2 plans 2 updates in 1 epoch. When the first step is skipped (fp16's
+    non-finite gradients), its micro-batch is used without an update: the run continues into a second epoch of
+    its one pass over the data and ends with its 2 updates, the LR schedule advanced once per real update."""
+    from accelerate import Accelerator
+    from helpers import run_job
+
+    asked = []
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped", property(lambda self: asked.append(1) or len(asked) == 1))
+    data = make_images(tmp_path / "data", 4)
+    process = trainer_process(tmp_path, datasets=[{"folder_path": str(data), "resolution": [32]}],
+                              train={"batch_size": 2, "steps": None, "epochs": 1, "lr_scheduler": "linear"})
+    trainer, folder = run_job(tmp_path, registry, "skipped", process)
+    assert trainer.plan.epochs == 1 and trainer.plan.total_updates == 2 and len(asked) == 3
+    records = read_metrics(folder / "metrics.jsonl")
+    assert [(r["step"], r["epoch"]) for r in records] == [(1, 0), (2, 1)]
+    assert records[0]["lr"] == pytest.approx(LR) and records[1]["lr"] == pytest.approx(LR / 2)

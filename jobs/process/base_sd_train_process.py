@@ -337,7 +337,9 @@ class BaseSDTrainProcess(BaseProcess):
             if self.config.sample.sample_at_start and self.position.global_step == 0:
                 self.monitor.sample(step=0)
             self.monitor.open_progress(self.position.global_step)
-            batches = self.data.run_batches(self.accelerator.device, self.position, self.plan.epochs)
+            # one pass from the position, as long as updates are left (epochs beyond the plan's where a resume
+            # changed the epoch's length or fp16 skipped updates)
+            batches = self.data.run_batches(self.accelerator.device, self.position)
             while self.position.global_step < self.plan.total_updates:
                 if self.train_epoch(batches, signal):
                     self.monitor.close_progress()

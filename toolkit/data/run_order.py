@@ -36,8 +36,11 @@ class EpochOrder:
 
 
 class RunBatchOrder:
-    """A DataLoader's batch sampler: this process's micro-batches of epochs `start_epoch` .. `end_epoch - 1`, the
-    first `skip` of the first epoch left out (not loaded). `start_at` sets the range before each pass."""
+    """A DataLoader's batch sampler: this process's micro-batches of epoch `start_epoch` and those after it, up to
+    `end_epoch - 1` (None: as many as are asked for), the first `skip` of the first epoch left out (not loaded).
+    `start_at` sets the range before each pass. A run's pass has no end: the trainer stops taking batches at its
+    last update, which may lie beyond the plan's epochs (a resume with more updates per epoch, or on fewer
+    processes, continues from its saved epoch; an fp16 update the GradScaler skips uses its micro-batches)."""
 
     def __init__(self, order: BucketBatchSampler, processes: int = 1, rank: int = 0):
         if not 0 <= rank < processes:
@@ -45,7 +48,8 @@ class RunBatchOrder:
         self.order = order
         self.processes = processes
         self.rank = rank
-        self.start_epoch, self.skip, self.end_epoch = 0, 0, 1
+        self.start_epoch, self.skip = 0, 0
+        self.end_epoch: int | None = None
 
     def epoch(self, epoch: int) -> list[list[EpochIndex]]:
         """This process's micro-batches of an epoch, in order."""
@@ -59,7 +63,7 @@ class RunBatchOrder:
         """Micro-batches per epoch on this process: ceil(batches / processes)."""
         return -(-len(self.order) // self.processes)
 
-    def start_at(self, epoch: int, skip: int, end_epoch: int) -> None:
+    def start_at(self, epoch: int, skip: int, end_epoch: int | None = None) -> None:
         if skip < 0 or epoch < 0:
             raise ValueError(f"no micro-batch {skip} of epoch {epoch}")
         self.start_epoch, self.skip, self.end_epoch = epoch, skip, end_epoch
@@ -67,9 +71,13 @@ class RunBatchOrder:
     def __iter__(self) -> Iterator[list[EpochIndex]]:
         return self.pass_over(self.start_epoch, self.skip, self.end_epoch)
 
-    def pass_over(self, start_epoch: int, skip: int, end_epoch: int) -> Iterator[list[EpochIndex]]:
-        for epoch in range(start_epoch, end_epoch):
+    def pass_over(self, start_epoch: int, skip: int, end_epoch: int | None) -> Iterator[list[EpochIndex]]:
+        epoch = start_epoch
+        while end_epoch is None or epoch < end_epoch:
             yield from self.epoch(epoch)[skip if epoch == start_epoch else 0:]
+            epoch += 1
 
     def __len__(self) -> int:
+        if self.end_epoch is None:
+            raise TypeError("a pass without an end epoch has no length")
         return max(0, (self.end_epoch - self.start_epoch) * self.per_epoch - self.skip)

@@ -107,8 +107,9 @@ class TrainingData:
 
     def make_dataloader(self, pin_memory: bool, workers: int | None = None, processes: int = 1,
                         rank: int = 0) -> torch.utils.data.DataLoader:
-        """The dataloader of this process's batches (`RunBatchOrder`: process `rank` of `processes`, a pass over
-        every epoch; `run_batches` sets where it starts); `workers` overrides `num_workers()`."""
+        """The dataloader of this process's batches (`RunBatchOrder`: process `rank` of the run's `processes`, a
+        pass over the epochs; `run_batches` sets where it starts); `workers` overrides `num_workers()` (whose count
+        assumes one training process on the machine)."""
         runtime = self.train.runtime
         workers = self.num_workers() if workers is None else workers
         return torch.utils.data.DataLoader(
@@ -130,10 +131,11 @@ class TrainingData:
         """Micro-batches per epoch on this process, as the dataloader's order gives them."""
         return self.dataloader.batch_sampler.per_epoch
 
-    def run_batches(self, device: torch.device, position: Position, epochs: int) -> Iterator[dict]:
-        """This process's batches from the (resumed) position to the end of epoch `epochs - 1`, in one pass of the
-        dataloader (its workers start loading now), each placed on `device` and completed (`complete`) when taken.
-        The micro-batches skipped to reach the position are not loaded."""
+    def run_batches(self, device: torch.device, position: Position, epochs: int | None = None) -> Iterator[dict]:
+        """This process's batches from the (resumed) position on, epoch after epoch (to the end of epoch
+        `epochs - 1` where given), in one pass of the dataloader (its workers start loading now), each placed on
+        `device` and completed (`complete`) when taken. The micro-batches skipped to reach the position are not
+        loaded."""
         self.dataloader.batch_sampler.start_at(position.epoch, position.micro_batch_in_epoch, epochs)
         return (self.complete(on_device(batch, device)) for batch in self.dataloader)
 
@@ -145,7 +147,7 @@ class TrainingData:
             batch = next(batches, None)
             if batch is None:
                 raise RuntimeError(f"the dataloader's pass ended at micro-batch {micro_batch} of epoch "
-                                   f"{position.epoch}: the run's batches were asked past its last epoch")
+                                   f"{position.epoch}: batches were asked past the last epoch it was opened for")
             yield micro_batch, batch
 
     def one_epoch(self, device: torch.device, position: Position) -> Iterator[tuple[int, dict]]:
@@ -164,7 +166,8 @@ class TrainingData:
 def on_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors, and those of its pending rows, on `device` (`to_device`: from pinned memory without
     waiting for the work queued there); its lists (captions, indices, variants, keys) stay on the host. The loader
-    places nothing itself: accelerate's placement walks every list item and copies with a wait."""
+    places nothing itself (accelerate's placement, which this replaces, walks every list item and copies with a
+    wait)."""
     placed = {key: to_device(value, device) if isinstance(value, torch.Tensor) else value
               for key, value in batch.items()}
     if "pending" in batch:
@@ -187,10 +190,11 @@ MAX_WORKERS = 4
 
 def default_num_workers(cpu_count: int, processes: int = 1) -> int:
     """DataLoader workers per training process where `train.num_workers` is unset: none below 4 cores per process,
-    else half of its cores, at most 4. A worker process decodes ahead of the training loop, but it hands each batch
-    over (its tensors passed through shared memory: about 1-1.5 ms per batch on the process that receives them, more
-    than decoding a small image takes) and it shares the cores with the training process, whose own Python loop and
-    torch threads need them: on 2 cores a worker cost more than it gave (docs/performance.md). Half of the cores
+    else half of its cores, at most 4. A worker process decodes ahead of the training loop, but the loop still
+    receives each batch from it (about 0.5 ms per batch of small tensors on 2 cores, sent by value; a tensor over
+    256 KiB through shared memory, about 1-1.5 ms: toolkit/data/handover.py) and it shares the cores with the
+    training process, whose own Python loop and torch threads need them: on 2 cores a worker cost more than it gave
+    (docs/performance.md). Half of the cores
     leaves the other half to the training process; 4 workers decode a few hundred large images a second, more than
     a training step consumes."""
     per_process = cpu_count // max(1, processes)
