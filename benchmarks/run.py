@@ -174,9 +174,13 @@ class Round:
 
 class DifftuneLoop:
     """difftune's own training loop (`trainer.train()`), run for a number of updates at a time with `loader` (the
-    trainer's DataLoader by default; each round is a pass of it, from the round's first epoch). Each update's end is stamped from the monitor; `between` (other
-    loops' updates) runs there, and the clock restarts after it. The time the loop spends blocked on its next batch
-    is recorded per micro-batch."""
+    trainer's DataLoader by default; each round is a pass of it, from the round's first epoch). Each update's end is
+    stamped from the monitor; `between` (other loops' updates) runs there, and the clock restarts after it. The time
+    the loop spends blocked on its next batch is recorded per micro-batch. Several loops may share a trainer (other
+    loaders): each round stamps the trainer's own methods for its loop alone."""
+
+    #: the trainer attribute that keeps its methods as they were before any loop stamped them
+    UNSTAMPED = "benchmark_unstamped"
 
     def __init__(self, trainer, loader=None):
         self.trainer = trainer
@@ -184,10 +188,13 @@ class DifftuneLoop:
         self.current = Round()
         self.between: Callable[[], None] = lambda: None
         self.resumed = 0.0
-        self.install_stamps()
+        if not hasattr(trainer, self.UNSTAMPED):
+            setattr(trainer, self.UNSTAMPED, (trainer.monitor.after_update, trainer.data.epoch_batches))
 
     def install_stamps(self) -> None:
-        trainer, after_update, epoch_batches = self.trainer, self.trainer.monitor.after_update, self.trainer.data.epoch_batches
+        """This loop's stamps on the trainer's own methods (replacing another loop's)."""
+        trainer = self.trainer
+        after_update, epoch_batches = getattr(trainer, self.UNSTAMPED)
 
         def stamped_update(update, *args, **kwargs):
             after_update(update, *args, **kwargs)
@@ -210,6 +217,7 @@ class DifftuneLoop:
             # the last round ended with its epoch: start the next one, as the trainer would after an empty skip
             position.epoch, position.micro_batch_in_epoch = position.epoch + 1, 0
         self.current, self.between = Round(), between or (lambda: None)
+        self.install_stamps()
         trainer.plan = trainer.monitor.plan = trainer.plan.ending_at(trainer.position.global_step + updates)
         self.resumed = time.perf_counter()
         trainer.train()

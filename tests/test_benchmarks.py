@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 import benchmarks.run
-from benchmarks.run import Round, Settings, main, measure, ratio, spread, table
+from benchmarks.run import DifftuneLoop, Round, Settings, main, measure, ratio, spread, table
 
 #: the smallest run of every loop: one round of one epoch of 8 updates, the first left out
 TINY = Settings(rounds=1, warmup=1, epochs_per_round=1, repeats=1, loading_seconds=0.2, workers=1)
@@ -64,6 +64,26 @@ def test_benchmark_figures_come_out(figures):
     assert f"uncached vs plain (a), files every step: {uncached['vs_plain_files']['median']:.3f}" in text
     assert "uncached alone, difftune workers 1: wait for batches not yet made" in text
     assert f"cached vs plain (c), latents and embeddings in memory: {cached['vs_plain_encoded']['median']:.3f}" in text
+
+
+@pytest.mark.slow
+def test_loops_sharing_a_trainer_time_only_their_own_rounds(tmp_path, tiny_sd15):
+    """Two loops on one trainer (two loaders): a round stamps the trainer for its own loop alone, so the other
+    loop's round and the plain updates it ran in between are not run again inside it, and each round counts each
+    of its updates once."""
+    with benchmarks.run.progress_bars_off():
+        trainer = benchmarks.run.ready_trainer(tmp_path, True, "cpu", TINY)
+        try:
+            first, second = DifftuneLoop(trainer), DifftuneLoop(trainer)
+            between = []
+            done = first.round(3, lambda: between.append("first"))
+            assert len(done.durations) == len(done.waits) == 3 and between == ["first"] * 3
+            for loop in (second, first):
+                done = loop.round(3)
+                assert len(done.durations) == len(done.waits) == 3 and len(set(done.steps)) == 3
+            assert between == ["first"] * 3
+        finally:
+            benchmarks.run.close(trainer)
 
 
 @pytest.mark.slow
