@@ -211,11 +211,9 @@ class DifftuneLoop:
         trainer.data.epoch_batches = waited_batches
 
     def round(self, updates: int, between: Callable[[], None] | None = None) -> Round:
-        trainer, position = self.trainer, self.trainer.position
+        trainer = self.trainer
+        # from where the last round stopped (after an epoch's last micro-batch: the trainer goes on to the next)
         trainer.data.dataloader = self.loader
-        if position.micro_batch_in_epoch == trainer.plan.micro_batches_per_epoch:
-            # the last round ended with its epoch: start the next one, as the trainer would after an empty skip
-            position.epoch, position.micro_batch_in_epoch = position.epoch + 1, 0
         self.current, self.between = Round(), between or (lambda: None)
         self.install_stamps()
         trainer.plan = trainer.monitor.plan = trainer.plan.ending_at(trainer.position.global_step + updates)
@@ -470,7 +468,7 @@ def uncached_figures(trainer, settings: Settings) -> dict:
     rounds = interleaved(ours, plain, settings.rounds, updates, settings.warmup)
     acc = trainer.accelerator
     with_workers = trainer.data.make_dataloader(pin_memory=acc.device.type == "cuda", workers=settings.workers,
-                                                processes=acc.num_processes, rank=acc.process_index)
+                                                num_processes=acc.num_processes, rank=acc.process_index)
     if settings.workers > 0:
         with_workers.collate_fn = ready_stamped
     loaders = {"workers_0": ours, f"workers_{settings.workers}": DifftuneLoop(trainer, with_workers)}

@@ -135,11 +135,10 @@ def schedule_jobs(tmp_path) -> list[str]:
     return [str(write_job(tmp_path / "both.yaml", "lr", *jobs)), str(linear), str(uneven)]
 
 
-def assert_follows_plan(tmp_path, name: str, plan: TrainingPlan, log: str) -> None:
+def assert_follows_plan(tmp_path, name: str, plan: TrainingPlan) -> None:
     metrics, state = run_results(tmp_path, name)
     assert len(metrics) == state["global_step"] == plan.total_updates
     assert [r["epoch"] for r in metrics] == [k // plan.updates_per_epoch for k in range(plan.total_updates)]
-    assert "recomputing the plan" not in log
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 4])
@@ -175,6 +174,15 @@ def test_the_run_order_gives_each_process_the_batches_accelerate_would(processes
         assert list(itertools.islice(order, 2 * order.per_epoch - 2)) == expected[1][2:] + expected[2]
     assert plan.updates_per_epoch == math.ceil(plan.micro_batches_per_epoch / 2)
     assert plan.total_updates == 3 * plan.updates_per_epoch
+    # batches of different lengths (two buckets of 5 and 4 samples, batch 2: 2, 2, 1 and 2, 2), repeated whole
+    mixed = BucketBatchSampler([(1, 32, 32, False)] * 5 + [(1, 64, 32, False)] * 4, 2, seed=7)
+    for rank in range(processes):
+        prepared = prepare_data_loader(torch.utils.data.DataLoader(list(range(9)), batch_sampler=mixed),
+                                       num_processes=processes, process_index=rank, put_on_device=False)
+        for epoch in range(2):
+            prepared.set_epoch(epoch)
+            mixed.set_epoch(epoch)
+            assert RunBatchOrder(mixed, processes, rank).epoch(epoch) == [batch.tolist() for batch in prepared]
 
 
 @pytest.mark.slow
@@ -191,7 +199,7 @@ def test_epochs_and_steps_agree_and_process_count_does_not_change_the_lr(two_pro
     assert [r["lr"] for r in metrics] == pytest.approx([LR, LR / 2])
     assert state["global_step"] == 2 and state["world_size"] == 2
     assert [(r["rank"], r["global_step"], r["lr"]) for r in state["ranks"]] == [(0, 2, 0.0), (1, 2, 0.0)]
-    assert_follows_plan(tmp_path, "uneven11", plan, result.stderr)
+    assert_follows_plan(tmp_path, "uneven11", plan)
     assert "updates per epoch                    2" in result.stderr
     by_epochs, by_steps = (read_metrics(tmp_path / folder / "lr" / "metrics.jsonl") for folder in ("by_epochs", "by_steps"))
     lrs = [r["lr"] for r in by_epochs]

@@ -27,7 +27,7 @@ def test_warmup_ratio_and_too_long_warmup():
         TrainingPlan.create(8, 4, 1, 2, steps=None, epochs=1, warmup_steps=2)
 
 
-def test_recomputed_from_the_real_dataloader_length():
+def test_a_plan_for_another_epoch_length():
     plan = TrainingPlan.create(8, 4, 1, 1, steps=None, epochs=2)
     assert plan.with_micro_batches(5).total_updates == 10
 

@@ -271,7 +271,8 @@ class BaseSDTrainProcess(BaseProcess):
             log.info("data loader: %d worker process(es) per training process (train.num_workers unset: chosen "
                      "for %d cores)", workers, usable_cores())
         self.data.dataloader = self.data.make_dataloader(pin_memory=acc.device.type == "cuda", workers=workers,
-                                                         processes=acc.num_processes, rank=acc.process_index)
+                                                         num_processes=acc.num_processes,
+                                                         rank=acc.process_index)
         if len(self.adapter.denoisers()) > 1:
             # experts: an update trains one of them, so the others' LoRA gets no gradient that update
             self.runtime.allow_unused_parameters()
@@ -285,11 +286,6 @@ class BaseSDTrainProcess(BaseProcess):
         self.trained_module = module
         #: what switches between training and eval mode: the wrapped denoiser and any trained text encoders
         self.trained_modules = [module, *(c.module for c in self.components if c.text_encoder)]
-        real = self.data.micro_batches_per_epoch
-        if real != self.plan.micro_batches_per_epoch:
-            log.warning("the dataloader yields %d micro-batches per process per epoch, the plan said %d; "
-                        "recomputing the plan from the real length", real, self.plan.micro_batches_per_epoch)
-            self.plan = self.plan.with_micro_batches(real)
 
     def optimizer_that_steps(self) -> torch.optim.Optimizer:
         """What takes each step (and clears the gradients after it): accelerate's wrapper where a GradScaler needs it
@@ -400,8 +396,8 @@ class BaseSDTrainProcess(BaseProcess):
     def backward(self, loss: torch.Tensor, micro_batch: int) -> None:
         """The micro-batch's gradients: its loss divided by the size of its accumulation window (every window has
         `gradient_accumulation` micro-batches except, possibly, an epoch's last: the update's gradient is the mean
-        over its window), scaled for fp16 by accelerate's GradScaler where there is one. Without accumulation the
-        loss's own backward runs, without a node for a division by 1."""
+        over its window), scaled for fp16 by accelerate's GradScaler where there is one. Without accumulation or a
+        GradScaler the loss's own backward runs, without a node for a division by 1."""
         window = accumulation_window(micro_batch, self.plan.micro_batches_per_epoch, self.plan.gradient_accumulation)
         if window > 1:
             loss = loss / window

@@ -63,11 +63,13 @@ class BucketBatchSampler:
 
     The order of an epoch is a pure function of (seed, epoch): samples are shuffled inside each bucket,
     cut into batches (a bucket's last batch may be short), and the batches are shuffled together.
-    accelerate shards the batches across processes.
+    A run's loader reads it through `RunBatchOrder` (toolkit/data/run_order.py), which shards each epoch's batches
+    across processes as accelerate does and chains the epochs; iterated alone, it yields the epoch `set_epoch` set.
     """
 
-    # accelerate reads these: `batch_size = None` tells it batches have varying lengths, so when it evens
-    # out the shards it repeats whole batches instead of refilling them with other buckets' samples.
+    # accelerate's shard reads these of a batch sampler it is given (`RunBatchOrder` gives it an epoch of this order,
+    # `EpochOrder`, which says the same): `batch_size = None` tells it batches have varying lengths, so when it
+    # evens out the shards it repeats whole batches instead of refilling them with other buckets' samples.
     batch_size = None
     drop_last = False
 

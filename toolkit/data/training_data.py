@@ -105,16 +105,16 @@ class TrainingData:
         cache = self.dataset.latents
         return cache is None or not cache.covers_everything or cache.grows or any(cache.to_disk.values())
 
-    def make_dataloader(self, pin_memory: bool, workers: int | None = None, processes: int = 1,
+    def make_dataloader(self, pin_memory: bool, workers: int | None = None, num_processes: int = 1,
                         rank: int = 0) -> torch.utils.data.DataLoader:
-        """The dataloader of this process's batches (`RunBatchOrder`: process `rank` of the run's `processes`, a
-        pass over the epochs; `run_batches` sets where it starts); `workers` overrides `num_workers()` (whose count
+        """The dataloader of this process's batches (`RunBatchOrder`: process `rank` of the run's `num_processes`,
+        a pass over the epochs; `run_batches` sets where it starts); `workers` overrides `num_workers()` (whose count
         assumes one training process on the machine)."""
         runtime = self.train.runtime
         workers = self.num_workers() if workers is None else workers
         return torch.utils.data.DataLoader(
             self.dataset,
-            batch_sampler=RunBatchOrder(self.batch_sampler, processes, rank),
+            batch_sampler=RunBatchOrder(self.batch_sampler, num_processes, rank),
             # a worker's small tensors come in its pipe, not through shared memory (toolkit/data/handover.py)
             collate_fn=collate_in_worker if workers > 0 else collate,
             num_workers=workers,

@@ -51,7 +51,7 @@ class TrainingPlan:
         return plan.with_micro_batches(math.ceil(batches / processes))
 
     def with_micro_batches(self, micro_batches_per_epoch: int) -> TrainingPlan:
-        """The plan for a given per-process dataloader length (used again once the dataloader is made)."""
+        """The plan for a given number of micro-batches per process per epoch."""
         updates_per_epoch = math.ceil(micro_batches_per_epoch / self.gradient_accumulation)
         if self.requested_steps is not None:
             total = self.requested_steps
