@@ -162,8 +162,19 @@ def test_compile_trains_the_same_lora_through_a_compiled_model(tmp_path, registr
 
 @pytest.mark.slow
 @pytest.mark.parametrize("persistent", [True, False])
-def test_dataloader_workers_are_configurable(tmp_path, registry, persistent):
+def test_dataloader_workers_are_configurable_and_end_with_the_run(tmp_path, registry, persistent, monkeypatch):
+    """`train.num_workers` and `train.persistent_workers` reach the DataLoader; its worker processes are gone once
+    the run has ended, persistent ones too (the trainer object, kept by its job, no longer holds them)."""
+    import multiprocessing
+
+    from toolkit.data.training_data import TrainingData
+
+    made, make_dataloader = [], TrainingData.make_dataloader
+    monkeypatch.setattr(TrainingData, "make_dataloader", lambda *a, **k: made.append(make_dataloader(*a, **k)) or made[-1])
     trainer, records = train(tmp_path, registry, "workers", train={"steps": 2, "num_workers": 1,
                                                                  "persistent_workers": persistent})
-    assert trainer.data.dataloader.num_workers == 1 and trainer.data.dataloader.persistent_workers is persistent
+    loader = made.pop()
+    assert made == [] and loader.num_workers == 1 and loader.persistent_workers is persistent
     assert len(records) == 2
+    del loader
+    assert multiprocessing.active_children() == [] and trainer.data.dataloader is None

@@ -109,8 +109,12 @@ class BaseSDTrainProcess(BaseProcess):
         self.position = Position()
 
     def close(self) -> None:
-        """Trackers and the metrics file closed; accelerate's process-wide state forgotten for the next job."""
+        """Trackers and the metrics file closed; the dataloader's workers ended; accelerate's process-wide state
+        forgotten for the next job."""
         self.monitor.close()
+        data = getattr(self, "data", None)  # not there when the run failed before its data was read
+        if data is not None:
+            data.close()
         self.runtime.close()
 
     # ---- setup ---------------------------------------------------------------------------------------

@@ -155,6 +155,11 @@ class TrainingData:
         next)."""
         return self.epoch_batches(self.run_batches(device, position, position.epoch + 1), position)
 
+    def close(self) -> None:
+        """The dataloader goes with the run, and its workers with it: a persistent worker otherwise lives (its copy
+        of the dataset too) as long as this object, e.g. through the next jobs of the same command."""
+        self.dataloader = None
+
     def complete(self, batch: dict) -> dict:
         """The batch with its pending rows (variants without a latent cache entry yet) encoded and stored."""
         return self.dataset.latents.complete(batch, self.adapter) if "pending" in batch else batch
