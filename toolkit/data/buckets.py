@@ -100,9 +100,12 @@ class BucketBatchSampler:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
         return batches
 
+    def tagged_batches(self, epoch: int) -> list[list[EpochIndex]]:
+        """`batches_for_epoch`, each index carrying the epoch (what a DataLoader hands its dataset)."""
+        return [[EpochIndex(index, epoch) for index in batch] for batch in self.batches_for_epoch(epoch)]
+
     def __iter__(self):
-        for batch in self.batches_for_epoch(self.epoch):
-            yield [EpochIndex(index, self.epoch) for index in batch]
+        return iter(self.tagged_batches(self.epoch))
 
     def __len__(self) -> int:
         return sum(math.ceil(len(members) / self.per_batch) for members in self.groups)

@@ -28,8 +28,7 @@ class EpochOrder:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[EpochIndex]]:
-        for batch in self.order.batches_for_epoch(self.epoch):
-            yield [EpochIndex(index, self.epoch) for index in batch]
+        return iter(self.order.tagged_batches(self.epoch))
 
     def __len__(self) -> int:
         return len(self.order)
