@@ -137,7 +137,7 @@ class TrainingData:
         `device` and completed (`complete`) when taken. The micro-batches skipped to reach the position are not
         loaded."""
         self.dataloader.batch_sampler.start_at(position.epoch, position.micro_batch_in_epoch, epochs)
-        return (self.complete(on_device(batch, device)) for batch in self.dataloader)
+        return (self.complete(on_device(batch, device)) for batch in loaded_batches(self.dataloader))
 
     def epoch_batches(self, batches: Iterator[dict], position: Position) -> Iterator[tuple[int, dict]]:
         """The position's epoch as (micro-batch in the epoch, batch), from its micro-batch on, taken from the run's
@@ -168,11 +168,25 @@ class TrainingData:
         return self.conditioning.embeds_for(batch["indices"], epoch)
 
 
+def loaded_batches(loader: torch.utils.data.DataLoader) -> Iterator[dict]:
+    """One pass of a loader's batches. Its workers, where it has any, load them (torch's iterator). Without workers
+    they are read here as torch's single-process iterator reads them, each sample of a batch from the dataset and
+    then the collate function, without the iterator's per-batch profiler scope, fetcher and checks: about 15 us of
+    host time per batch, several times that between a model's kernels (docs/performance.md). Pinning is left to
+    `on_device`, which pins what it sends to CUDA."""
+    if loader.num_workers > 0:
+        return iter(loader)
+    dataset, collate_fn = loader.dataset, loader.collate_fn
+    return (collate_fn([dataset[index] for index in indices]) for indices in loader.batch_sampler)
+
+
 def on_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors, and those of its pending rows, on `device` (`to_device`: from pinned memory without
     waiting for the work queued there); its lists (captions, indices, variants, keys) stay on the host. The loader
     places nothing itself (accelerate's placement, which this replaces, walks every list item and copies with a
-    wait)."""
+    wait). On the CPU the batch is already where it goes: it is returned as it is."""
+    if device.type == "cpu":  # a loader's tensors are host tensors
+        return batch
     placed = {key: to_device(value, device) if isinstance(value, torch.Tensor) else value
               for key, value in batch.items()}
     if "pending" in batch:

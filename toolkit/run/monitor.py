@@ -148,7 +148,7 @@ class Monitor:
         """The metrics line of a logged update (and the progress bar at most once a second): the only reads of
         device values. `readings()` gives the optimizer's own figures (LR it used, update RMS) for that line;
         `evaluated` (the validation figures of this update's weights) makes the update a logged one."""
-        shown = self.progress_enabled
+        shown = self.progress is not None and not self.progress.disable  # the bar `open_progress` made
         # kept as they are until the next host read: no device operation per update for the smoothed loss (the
         # bar's, and every metrics line's `smoothed_loss`, with or without a bar)
         self.unread_losses.append((update.values, update.names.index("loss")))
