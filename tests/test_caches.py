@@ -93,6 +93,37 @@ def test_latent_cache_hits_unchanged_images_and_reencodes_replaced_ones(tmp_path
     assert not torch.equal(changed.get(1)[0].mean, again.get(1)[0].mean)
 
 
+def test_a_sample_that_never_changes_is_made_once_and_only_from_the_cache_attached(tmp_path, adapter, monkeypatch):
+    """A latent kept in memory of a dataset that draws no variants is the same sample at every draw: it is made
+    once. One kept on disk, or of a dataset that flips, is made at each draw; attaching another cache starts over."""
+    for name in ("still", "flipped", "disk"):
+        make_images(tmp_path / name, 2, size=(64, 64))
+    cfgs = [DatasetConfig(folder_path=str(tmp_path / "still"), resolution=[64], cache_latents=True),
+            DatasetConfig(folder_path=str(tmp_path / "flipped"), resolution=[64], cache_latents=True, flip_x=True),
+            DatasetConfig(folder_path=str(tmp_path / "disk"), resolution=[64], cache_latents_to_disk=True)]
+    dataset = build_dataset(cfgs, None, adapter.divisor)
+    roots = {i: tmp_path / name / "_difftune_cache" for i, name in enumerate(("still", "flipped", "disk"))}
+
+    def attach() -> LatentCache:
+        cache = LatentCache(dataset, roots, {0: False, 1: False, 2: True}, adapter.encoder_identity("image"))
+        cache.build(adapter, SOLO)
+        dataset.latents = cache
+        return cache
+
+    cache = attach()
+    looked_up = Counter()
+    original = LatentCache.get
+    monkeypatch.setattr(LatentCache, "get", lambda self, index, variant=None: looked_up.update([index]) or
+                        original(self, index, variant))
+    first = [dataset[i] for i in range(6)]
+    again = [dataset[i] for i in range(6)]
+    assert looked_up == Counter({i: 2 for i in range(2, 6)} | {0: 1, 1: 1})
+    assert again[0] is first[0] and torch.equal(again[0]["latent_mean"], cache.get(0).dist.mean)
+    assert again[4] is not first[4] and torch.equal(again[4]["latent_mean"], first[4]["latent_mean"])
+    replaced = attach()
+    assert dataset[0] is not first[0] and dataset.latents is replaced and looked_up[0] == 3  # made again
+
+
 def test_encoder_identity_follows_the_weights(adapter):
     before = adapter.encoder_identity("image")
     weight = next(adapter.vae.parameters())
@@ -204,6 +235,17 @@ def test_without_shuffle_cached_embeddings_never_change(tmp_path, adapter):
     views_ = [cache.embeds_for([0], epoch).embeds for epoch in range(4)]
     assert all(torch.equal(v, views_[0]) for v in views_)
     assert torch.equal(views_[0][0], cache.load("a, b, c, d")["embeds"])
+
+
+def test_a_batch_of_one_caption_is_the_row_a_larger_batch_gives_it(tmp_path, adapter):
+    cache = text_cache_for(tmp_path, adapter, shuffle=False, captions=("a, b", "c"))
+    cache.build(SOLO)
+    both = cache.embeds_for([1, 0], 0)
+    for row, index in enumerate((1, 0)):
+        one = cache.embeds_for([index], 0)
+        assert one.embeds.shape[0] == 1 and torch.equal(one.embeds[0], both.embeds[row])
+        assert one.attention_mask is None and both.attention_mask is None
+        assert torch.equal(one.lengths, both.lengths[row: row + 1])
 
 
 def test_empty_caption_uses_the_trigger_or_explains_the_fix(tmp_path, adapter):

@@ -471,11 +471,24 @@ class ImageDataset(torch.utils.data.Dataset):
         self.options = options or {}
         self.seed = seed
         self.masked = any(o.masked for o in self.options.values())
-        self.latents = None
+        self._latents = None
         #: decoded images the training process keeps (`DecodedImages`); loader workers keep none
         self.decoded: DecodedImages | None = None
         #: each item's centre variant, planned once: the variant of every draw of a dataset that does not vary
         self.centres: dict[int, Variant] = {}
+        #: the samples that are the same at every draw, made once: a latent kept in memory of an item whose dataset
+        #: draws no variants (each draw is then a cache lookup of a dozen calls, between the model's kernels)
+        self.fixed_samples: dict[int, dict] = {}
+
+    @property
+    def latents(self):
+        """The latent cache attached (`LatentCache`), or None: the samples come as pixels."""
+        return self._latents
+
+    @latents.setter
+    def latents(self, cache) -> None:
+        self._latents = cache
+        self.fixed_samples = {}  # made from the cache they came from
 
     def __len__(self) -> int:
         return len(self.items)
@@ -499,6 +512,9 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         number = int(index)
+        fixed = self.fixed_samples.get(number)
+        if fixed is not None:
+            return fixed  # never changed: collate makes the batch anew
         item = self.items[number]
         variant = self.variant(number, getattr(index, "epoch", 0))
         sample = {"caption": item.record.caption, "index": number, "variant": variant}
@@ -509,6 +525,8 @@ class ImageDataset(torch.utils.data.Dataset):
                 sample["latent_key"] = self.latents.variant_key(number, variant)
         if cached is not None:
             sample.update(self.latents.sample_fields(cached))
+            if not self.options_for(item.dataset).varies and not self.latents.to_disk[item.dataset]:
+                self.fixed_samples[number] = sample
             return sample
         # kept only where the training process reads its own batches: each loader worker would hold its own copy,
         # and workers decode ahead of the loop anyway

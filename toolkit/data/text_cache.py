@@ -359,6 +359,12 @@ class CachedCaptions:
 
     def embeds_for(self, indices: list[int], epoch: int) -> PromptEmbeds:
         views = [self.view(index, epoch) for index in indices]
+        device = self.device or self.adapter.device
+        if len(views) == 1:  # a batch of one row: nothing to stack or pad
+            view = views[0]
+            mask, pooled = view.get("attention_mask"), view.get("pooled")
+            return PromptEmbeds(view["embeds"].unsqueeze(0), None if mask is None else mask.unsqueeze(0),
+                                view["length"], None if pooled is None else pooled.unsqueeze(0)).to(device)
         if len({v["embeds"].shape for v in views}) == 1:  # one length (always, where prompts are padded): stacked
             embeds = batch_of([v["embeds"] for v in views])
             masks = [v.get("attention_mask") for v in views]
@@ -367,6 +373,6 @@ class CachedCaptions:
             embeds, mask = join_padded([v["embeds"].unsqueeze(0) for v in views],
                                        [v["attention_mask"].unsqueeze(0) if "attention_mask" in v else None
                                         for v in views])
-        length = views[0]["length"] if len(views) == 1 else torch.cat([v["length"] for v in views])  # host, read only
+        length = torch.cat([v["length"] for v in views])  # host, read only
         pooled = batch_of([v["pooled"] for v in views]) if all("pooled" in v for v in views) else None
-        return PromptEmbeds(embeds, mask, length, pooled).to(self.device or self.adapter.device)
+        return PromptEmbeds(embeds, mask, length, pooled).to(device)
