@@ -1,6 +1,6 @@
 """difftune's speed and memory, measured side by side in one process so that a shared machine's noise cancels.
 
-    python -m benchmarks.run            # about 3 minutes on a 2-core CPU
+    python -m benchmarks.run            # about 6 minutes on a 2-core CPU
     python -m benchmarks.run --quick    # about 1.5 minutes: the same rounds, fewer of them
     python -m benchmarks.run --json out.json
 
@@ -67,7 +67,9 @@ class Settings:
 
 
 QUICK = Settings(rounds=7, loading_seconds=2.0)
-FULL = Settings(rounds=21)
+#: 63 rounds: the median of the rounds' ratios then has a standard error near 0.3 % on the 2-core machine (21 rounds:
+#: about 0.5 %, a quarter of the 2 % the cached loop is held to; docs/performance.md)
+FULL = Settings(rounds=63)
 
 
 def trainer_config(folder: Path, cached: bool, device: str, settings: Settings,
