@@ -464,6 +464,7 @@ def test_a_sample_without_a_mask_file_trains_everywhere_after_one_warning(tmp_pa
     assert job.latents.keys[3] == LatentCache(build_dataset([other], None, 16), {0: tmp_path / "cache"}, {0: False},
                                               adapter.encoder_identity("image")).keys[0]
     assert job[3]["mask"].shape == (1, 8, 8) and (job[3]["mask"] == 1).all() and job.latents.get(3).mask is None
+    assert job[4]["mask"] is job[3]["mask"]  # one all-ones mask per grid: samples made once do not keep one each
 
 
 def test_a_16_bit_mask_is_read_by_its_own_range(tmp_path):

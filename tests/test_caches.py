@@ -237,15 +237,28 @@ def test_without_shuffle_cached_embeddings_never_change(tmp_path, adapter):
     assert torch.equal(views_[0][0], cache.load("a, b, c, d")["embeds"])
 
 
-def test_a_batch_of_one_caption_is_the_row_a_larger_batch_gives_it(tmp_path, adapter):
+def test_a_batch_of_one_caption_is_the_row_a_larger_batch_gives_it(tmp_path, adapter, monkeypatch):
+    """SD 1.x rows (embeddings and lengths), and rows with a mask and a pooled embedding as other families cache them."""
     cache = text_cache_for(tmp_path, adapter, shuffle=False, captions=("a, b", "c"))
     cache.build(SOLO)
-    both = cache.embeds_for([1, 0], 0)
-    for row, index in enumerate((1, 0)):
-        one = cache.embeds_for([index], 0)
-        assert one.embeds.shape[0] == 1 and torch.equal(one.embeds[0], both.embeds[row])
-        assert one.attention_mask is None and both.attention_mask is None
-        assert torch.equal(one.lengths, both.lengths[row: row + 1])
+
+    def agree() -> None:
+        both = cache.embeds_for([1, 0], 0)
+        for row, index in enumerate((1, 0)):
+            one = cache.embeds_for([index], 0)
+            assert one.embeds.shape[0] == 1 and torch.equal(one.embeds[0], both.embeds[row])
+            assert torch.equal(one.lengths, both.lengths[row: row + 1])
+            for name in ("attention_mask", "pooled"):
+                mine, theirs = getattr(one, name), getattr(both, name)
+                assert (mine is None and theirs is None) or torch.equal(mine[0], theirs[row])
+
+    agree()
+    assert cache.embeds_for([0], 0).attention_mask is None
+    rows = {i: {"embeds": torch.randn(5, 8), "attention_mask": torch.tensor([True] * (3 + i) + [False] * (2 - i)),
+                "pooled": torch.randn(4), "length": torch.tensor([3 + i])} for i in (0, 1)}
+    monkeypatch.setattr(cache, "view", lambda index, epoch: dict(rows[index]))
+    agree()
+    assert cache.embeds_for([1], 0).attention_mask.tolist() == [[True] * 4 + [False]]
 
 
 def test_empty_caption_uses_the_trigger_or_explains_the_fix(tmp_path, adapter):

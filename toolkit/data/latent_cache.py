@@ -97,6 +97,9 @@ class LatentCache:
         #: (item index, variant) -> key, each made once (`variant_key`): at most the centre and its three mirrors
         #: per item (random crops are not kept)
         self.variant_keys: dict[tuple[int, Variant], str] = {}
+        #: the all-ones mask of each latent grid, one for every sample without a mask (`sample_fields`): samples made
+        #: once (`ImageDataset.fixed_samples`) would otherwise keep one each
+        self.no_masks: dict[tuple[int, int], torch.Tensor] = {}
 
     def digest(self, path: Path) -> str:
         if path not in self._digests:
@@ -233,8 +236,15 @@ class LatentCache:
         if self.dataset.sizes:
             fields["image_sizes"] = entry.sizes
         if self.dataset.masked:
-            fields["mask"] = entry.mask if entry.mask is not None else torch.ones(1, *entry.dist.mean.shape[-2:])
+            fields["mask"] = entry.mask if entry.mask is not None else self.no_mask(tuple(entry.dist.mean.shape[-2:]))
         return fields
+
+    def no_mask(self, grid: tuple[int, int]) -> torch.Tensor:
+        """All ones on a latent grid, [1, h, w]: one tensor per grid, shared (nothing in training writes into a
+        batch: `test_training_leaves_in_memory_cache_entries_as_they_were`)."""
+        if grid not in self.no_masks:
+            self.no_masks[grid] = torch.ones(1, *grid)
+        return self.no_masks[grid]
 
     def complete(self, batch: dict, adapter: ModelAdapter) -> dict:
         """A collated batch with pending rows (variants without an entry when they were loaded) made whole: each is
