@@ -213,8 +213,7 @@ def default_num_workers(cpu_count: int, processes: int = 1) -> int:
     receives each batch from it (about 0.5 ms per batch of small tensors on 2 cores, sent by value; a tensor over
     256 KiB through shared memory, about 1-1.5 ms: toolkit/data/handover.py) and it shares the cores with the
     training process, whose own Python loop and torch threads need them: on 2 cores a worker cost more than it gave
-    (docs/performance.md). Half of the cores
-    leaves the other half to the training process; 4 workers decode a few hundred large images a second, more than
-    a training step consumes."""
+    (docs/performance.md). Half of the cores leaves the other half to the training process; 4 workers decode a few
+    hundred large images a second, more than a training step consumes."""
     per_process = cpu_count // max(1, processes)
     return 0 if per_process < CORES_FOR_WORKERS else min(MAX_WORKERS, per_process // 2)

@@ -14,7 +14,7 @@ import torch
 
 
 def derive_seed(seed: int, purpose: str, *counters: int) -> int:
-    key = ":".join([str(seed), purpose, *map(str, map(int, counters))])
+    key = ":".join([str(seed), purpose, *(str(int(c)) for c in counters)])
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
