@@ -3,6 +3,7 @@
     python -m benchmarks.run            # about 6 minutes on a 2-core CPU
     python -m benchmarks.run --quick    # about 1.5 minutes: the same rounds, fewer of them
     python -m benchmarks.run --json out.json
+    python -m benchmarks.run --plain-optimizer trainer   # the plain loops run the trainer's AdamW implementation
 
 Figures (tiny SD model on the shipped quickstart images, 64 px, batch 1, rank-4 LoRA, fp32, a metrics line every
 update, unless --device cuda says otherwise):
@@ -15,7 +16,9 @@ update, unless --device cuda says otherwise):
   all of them alike; each loop's first `warmup` updates of a round (its iterator, workers and progress bar
   starting) are left out. Each round gives one ratio per pair; the median over the rounds is the figure, with its
   spread (min/max and interquartile range, as % of the median). `--quick` runs the same rounds, fewer of them, so
-  it estimates the same ratios;
+  it estimates the same ratios. The plain loops build AdamW with torch's defaults, as the diffusers example script
+  does; the trainer runs torch's fused AdamW where it can, so `--plain-optimizer trainer` gives the plain loops the
+  same implementation, and the ratios then measure difftune's loop alone;
 - loader wait: milliseconds per update the training loop spends blocked on the next batch, with 0 DataLoader
   workers and with `--workers` of them, and of the latter, the part before a worker had the batch ready (its
   stamp) rather than the hand-over after it;
@@ -64,6 +67,9 @@ class Settings:
     loading_seconds: float = 6.0
     #: DataLoader workers of the second uncached difftune loop (its loader wait against 0 workers)
     workers: int = 1
+    #: the plain loops' AdamW: "torch" (torch's defaults, as the diffusers example script builds it) or "trainer"
+    #: (the implementation the trainer's AdamW runs, fused or not: the ratio is then difftune's loop alone)
+    plain_optimizer: str = "torch"
 
 
 QUICK = Settings(rounds=7, loading_seconds=2.0)
@@ -302,7 +308,7 @@ class PlainLoop:
     each update (as the diffusers example script shows it on its progress bar). `batches` yields the
     (pixels, token ids) or (latents, embeddings) of each update, forever; `encoded` says which."""
 
-    def __init__(self, trainer, batches: Iterator[tuple], encoded: bool):
+    def __init__(self, trainer, batches: Iterator[tuple], encoded: bool, optimizer_options: dict | None = None):
         import torch
 
         self.trainer, self.batches, self.encoded = trainer, batches, encoded
@@ -311,7 +317,7 @@ class PlainLoop:
         self.scheduler = adapter.scheduler
         self.device = trainer.accelerator.device
         self.params = trainer.lora_params
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, **(optimizer_options or {}))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
         self.current = Round()
 
@@ -350,6 +356,15 @@ class PlainLoop:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.item()
+
+
+def plain_optimizer_options(trainer, settings: Settings) -> dict:
+    """The plain loops' AdamW keyword arguments: none (torch's defaults: on a CPU its per-parameter step, on a GPU
+    foreach), or with `plain_optimizer: trainer` the implementation flags of the trainer's own AdamW."""
+    if settings.plain_optimizer == "torch":
+        return {}
+    group = trainer.optimizer.param_groups[0]
+    return {key: group[key] for key in ("fused", "foreach") if key in group}
 
 
 def files_every_step(trainer, batch_size: int, workers: int = 0) -> Iterator[tuple]:
@@ -462,10 +477,11 @@ def updates_per_round(trainer, settings: Settings) -> int:
 def uncached_figures(trainer, settings: Settings) -> dict:
     """difftune without caches against plain loops (a) and (b), update by update; then its loader wait with 0 and
     `settings.workers` workers, round by round."""
-    ours = DifftuneLoop(trainer)
-    plain = {"plain_files": PlainLoop(trainer, files_every_step(trainer, settings.batch_size), encoded=False),
+    ours, options = DifftuneLoop(trainer), plain_optimizer_options(trainer, settings)
+    plain = {"plain_files": PlainLoop(trainer, files_every_step(trainer, settings.batch_size), encoded=False,
+                                      optimizer_options=options),
              "plain_memory": PlainLoop(trainer, held_in_memory(decoded_samples(trainer), settings.batch_size),
-                                       encoded=False)}
+                                       encoded=False, optimizer_options=options)}
     updates = updates_per_round(trainer, settings)
     rounds = interleaved(ours, plain, settings.rounds, updates, settings.warmup)
     acc = trainer.accelerator
@@ -492,7 +508,7 @@ def cached_figures(trainer, settings: Settings) -> dict:
     """difftune with latent and text caches against plain loop (c), update by update."""
     ours = DifftuneLoop(trainer)
     plain = {"plain_encoded": PlainLoop(trainer, held_in_memory(encoded_samples(trainer), settings.batch_size),
-                                        encoded=True)}
+                                        encoded=True, optimizer_options=plain_optimizer_options(trainer, settings))}
     updates = updates_per_round(trainer, settings)
     rounds = interleaved(ours, plain, settings.rounds, updates, settings.warmup)
     return {"updates_per_round": updates, "warmup": settings.warmup,
@@ -685,6 +701,8 @@ def table(results: dict) -> str:
     rows += [
         ("difftune's own metrics `time` vs harness clock", "-" if own is None else
          f"{own['metrics']:.4f} vs {own['harness']:.4f} s/update"),
+        ("plain loops' AdamW", "the trainer's implementation" if results["settings"].get("plain_optimizer") == "trainer"
+         else "torch's defaults"),
         ("cache speed-up", f"{results['cache_speedup']['speedup']:.2f}x"),
         ("start-up: imports / model load / caching", f"{seconds(s.get('imports_s'), 1)} / "
                                                      f"{seconds(s['model_load_s'], 2)} / {seconds(s['caching_s'], 2)} s"),
@@ -716,6 +734,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="the number of rounds (overrides --quick)")
     parser.add_argument("--workers", type=int, help=f"DataLoader workers of the loader-wait figure (default "
                                                     f"{FULL.workers})")
+    parser.add_argument("--plain-optimizer", choices=["torch", "trainer"],
+                        help="the plain loops' AdamW: torch's defaults, as the diffusers example script builds it "
+                             "(default), or the implementation the trainer's AdamW runs (fused where it can): the "
+                             "ratios are then difftune's loop alone")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
@@ -730,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = replace(settings, rounds=args.rounds)
     if args.workers is not None:
         settings = replace(settings, workers=args.workers)
+    if args.plain_optimizer:
+        settings = replace(settings, plain_optimizer=args.plain_optimizer)
     results = measure(settings, args.device, args.compile)
     print(table(results))
     if args.json:

@@ -64,6 +64,7 @@ def test_benchmark_figures_come_out(figures):
     assert f"uncached vs plain (a), files every step: {uncached['vs_plain_files']['median']:.3f}" in text
     assert "uncached alone, difftune workers 1: wait for batches not yet made" in text
     assert f"cached vs plain (c), latents and embeddings in memory: {cached['vs_plain_encoded']['median']:.3f}" in text
+    assert re.search(r"plain loops' AdamW +torch's defaults", text)
 
 
 @pytest.mark.slow
@@ -87,6 +88,22 @@ def test_loops_sharing_a_trainer_time_only_their_own_rounds(tmp_path, tiny_sd15)
 
 
 @pytest.mark.slow
+def test_plain_loops_run_torchs_adamw_or_the_trainers_implementation(tmp_path, tiny_sd15):
+    """By default the plain loops' AdamW is torch's per-parameter one on the CPU, as the diffusers script builds it;
+    with `plain_optimizer: trainer` it is the fused AdamW the trainer runs."""
+    with benchmarks.run.progress_bars_off():
+        trainer = benchmarks.run.ready_trainer(tmp_path, True, "cpu", TINY)
+        try:
+            assert trainer.optimizer.param_groups[0]["fused"]
+            for setting, fused in (("torch", False), ("trainer", True)):
+                options = benchmarks.run.plain_optimizer_options(trainer, replace(TINY, plain_optimizer=setting))
+                loop = benchmarks.run.PlainLoop(trainer, iter(()), encoded=True, optimizer_options=options)
+                assert bool(loop.optimizer.param_groups[0]["fused"]) is fused, setting
+        finally:
+            benchmarks.run.close(trainer)
+
+
+@pytest.mark.slow
 def test_compile_figures_come_out(figures):
     compiled = figures["compile"]
     assert compiled["backend"] == "eager" and compiled["first_epoch_updates"] > 0
@@ -100,9 +117,9 @@ def test_benchmark_command_prints_the_table_and_writes_json(tmp_path, figures, m
     asked = []
     monkeypatch.setattr(benchmarks.run, "measure", lambda *args: asked.append(args) or figures)
     assert main(["--quick", "--compile", "--json", str(tmp_path / "bench.json")]) == 0
-    assert main(["--rounds", "3", "--workers", "2"]) == 0
+    assert main(["--rounds", "3", "--workers", "2", "--plain-optimizer", "trainer"]) == 0
     assert asked == [(benchmarks.run.QUICK, "cpu", "inductor"),
-                     (replace(benchmarks.run.FULL, rounds=3, workers=2), "cpu", None)]
+                     (replace(benchmarks.run.FULL, rounds=3, workers=2, plain_optimizer="trainer"), "cpu", None)]
     assert "uncached vs plain (b), pixels and ids in memory" in capsys.readouterr().out
     assert json.loads((tmp_path / "bench.json").read_text())["compile"]["backend"] == "eager"
 

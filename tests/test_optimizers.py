@@ -41,6 +41,8 @@ def test_each_optimizer_lowers_the_held_out_loss(tmp_path, registry, name, train
     process = trained.processes[0]
     records = read_metrics(tmp_path / "output" / name / "metrics.jsonl")
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    if name == "adamw":  # the run's AdamW is torch's fused one (fp32 on the CPU: nothing stands in its way)
+        assert all(group["fused"] for group in process.optimizer.param_groups)
     dataset = build_dataset([DatasetConfig(folder_path=str(QUICKSTART_DATA), resolution=[64])], "shp", 16)
     square = [item for item in dataset.items if item.bucket == (64, 64)]
     pixels = torch.stack([load_pixels(item) for item in square])
@@ -199,3 +201,66 @@ def test_wrong_optimizer_param_values_are_refused_with_the_config(name, params, 
 
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainConfig(steps=10, optimizer=name, optimizer_params=params, lr=1.0 if name == "prodigy" else 1e-4)
+
+
+def adamw(**optimizer_params):
+    from toolkit.config.schema import TrainConfig
+
+    return TrainConfig(steps=1, optimizer="adamw", optimizer_params=optimizer_params).optimization
+
+
+def test_adamw_is_torchs_fused_step_unless_the_config_or_a_grad_scaler_decides():
+    """The fused AdamW makes the same updates as torch's per-parameter one; it is not chosen where the config picks
+    an implementation, asks for `differentiable`, an fp16 GradScaler scales the loss (accelerate could not tell a
+    skipped step), or a parameter lives where torch has no fused kernels."""
+    from toolkit.train.optimizers import build_optimizer
+
+    start = [torch.randn(8, 4), torch.randn(4)]
+    fused_params, plain_params = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    fused = build_optimizer(adamw(weight_decay=0.01), [{"params": fused_params[:1]}, {"params": fused_params[1:]}])
+    plain = torch.optim.AdamW(plain_params, lr=1e-4, weight_decay=0.01)
+    assert all(group["fused"] for group in fused.param_groups) and not plain.param_groups[0]["fused"]
+    for step in range(5):
+        grads = [torch.randn_like(t) * (step + 1) for t in start]
+        for params, optimizer in ((fused_params, fused), (plain_params, plain)):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+            optimizer.step()
+    for ours, theirs in zip(fused_params, plain_params):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(ours, start[0] if ours.dim() == 2 else start[1])
+
+    param = [torch.nn.Parameter(torch.ones(2))]
+    for section, kwargs in ((adamw(foreach=True), {}), (adamw(fused=False), {}), (adamw(differentiable=True), {}),
+                            (adamw(), {"loss_scaled": True})):
+        assert not build_optimizer(section, param, **kwargs).param_groups[0]["fused"], (section, kwargs)
+    assert not build_optimizer(adamw(), [torch.nn.Parameter(torch.ones(2, device="meta"))]).param_groups[0]["fused"]
+    assert build_optimizer(adamw(fused=True), param).param_groups[0]["fused"]
+
+
+def test_a_checkpoint_of_the_other_adamw_implementation_resumes_with_its_step_counts_where_the_step_reads_them():
+    """A checkpoint of torch's per-parameter AdamW (host step counts) loads into the fused one and steps on; a group
+    whose implementation changed to fused gets its counts on the parameters' device (a meta parameter stands for an
+    accelerator's here)."""
+    from toolkit.train.optimizers import build_optimizer
+
+    param = torch.nn.Parameter(torch.ones(3))
+    before = torch.optim.AdamW([param], lr=1e-2)
+    for _ in range(3):
+        param.grad = torch.ones(3)
+        before.step()
+    resumed = build_optimizer(adamw(), [param])
+    assert resumed.param_groups[0]["fused"]
+    checkpoint.load_optimizer_keeping_hyperparameters(resumed, before.state_dict())
+    assert resumed.param_groups[0]["fused"] and resumed.state[param]["step"].item() == 3
+    param.grad = torch.ones(3)
+    resumed.step()
+    assert resumed.state[param]["step"].item() == 4
+
+    on_meta = torch.nn.Parameter(torch.ones(3, device="meta"))
+    optimizer = torch.optim.AdamW([on_meta])
+    optimizer.state[on_meta]["step"] = torch.tensor(3.0, dtype=torch.float64)
+    optimizer.param_groups[0]["fused"] = True
+    checkpoint.place_step_counts(optimizer)
+    step = optimizer.state[on_meta]["step"]
+    assert step.device.type == "meta" and step.dtype == torch.float32

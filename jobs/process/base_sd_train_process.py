@@ -148,7 +148,8 @@ class BaseSDTrainProcess(BaseProcess):
         self.data.build_caches(acc)
         self.validation = self.make_validation(held_out) if held_out is not None else None
         self.plan = self.make_plan()
-        self.optimizer = build_optimizer(cfg.train.optimization, self.param_groups)
+        self.optimizer = build_optimizer(cfg.train.optimization, self.param_groups,
+                                         loss_scaled=acc.scaler is not None)
         self.ema = LoraEMA(cfg.train.ema, self.lora_params) if cfg.train.ema is not None else None
         self.prepare_components()
         self.stepper = self.optimizer_that_steps()

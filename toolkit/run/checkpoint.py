@@ -198,7 +198,24 @@ def load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, sav
             if group.get(key) != value:
                 changes.append(f"{key} {group.get(key)} -> {value}")
             group[key] = value
+    place_step_counts(optimizer)
     return sorted(set(changes))
+
+
+def place_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """torch's Adam family keeps a fused (or capturable) group's step counts on its parameters' device as float32,
+    the others' on the host, and loads a checkpoint's counts where the optimizer that saved them kept them. A group
+    whose implementation the config changed (a checkpoint from before difftune chose the fused AdamW, or
+    `optimizer_params.fused` set or unset since) gets its counts where its step reads them."""
+    for group in optimizer.param_groups:
+        if "fused" not in group and "capturable" not in group:
+            continue
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            step = state.get("step")
+            if torch.is_tensor(step):
+                state["step"] = step.to(dtype=torch.float32, device=param.device) if on_device else step.cpu()
 
 
 @dataclass
