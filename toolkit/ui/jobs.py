@@ -310,8 +310,9 @@ class JobQueue:
                 return
             del self.children[job.id]
         else:  # started by an earlier dashboard: watched by its pid
-            if job.pid is not None and process_alive(job.pid) and runs_job(job.pid, self.job_file(job)):
-                return
+            if job.pid is not None and process_alive(job.pid) and (runs_job(job.pid, self.job_file(job))
+                                                                   or exiting(job.pid)):
+                return  # an exiting process is watched until it is gone: its run's status names it still
             returncode = None
         self.ended(job, returncode)
 
@@ -344,6 +345,20 @@ def runs_job(pid: int, job_file: Path) -> bool:
     except OSError:
         return True
     return os.fsencode(str(job_file)) in arguments
+
+
+def exiting(pid: int) -> bool:
+    """Whether process `pid` is on its way out (Linux): its memory, which holds its command line, is released, so
+    that reads empty, while it is not yet a zombie; a process killed with its run's status still saying `running` is
+    in this state for a moment (longer on a busy machine), and is not another process that got its pid. Kernel
+    threads, whose command line is empty too, are kthreadd (2) or its children."""
+    try:
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        parent = int(stat[stat.rfind(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return not arguments and pid != 2 and parent not in (0, 2)
 
 
 def processes_running(job_file: Path) -> list[int]:
