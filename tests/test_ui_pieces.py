@@ -205,8 +205,9 @@ def test_a_job_left_starting_is_adopted_or_failed_never_started_again(tmp_path, 
 def test_a_job_killed_while_its_process_exits_ends_crashed_once_the_process_is_gone(tmp_path, registry, monkeypatch):
     """A job watched by its pid (started by an earlier dashboard), killed: for a moment its process is alive but
     its command line reads empty (its memory is released) and its run's status still says `running`. The queue
-    keeps watching it then, rather than ending it as a job whose run never began (`failed`); once the process is
-    gone the job ends `crashed`."""
+    knows the process by its start time and keeps watching it then, rather than ending it as a job whose run never
+    began (`failed`); once the process is gone the job ends `crashed`. Another process that got the pid is not
+    the job's."""
     import subprocess
     import sys
     import time
@@ -219,17 +220,20 @@ def test_a_job_killed_while_its_process_exits_ends_crashed_once_the_process_is_g
     while Path(f"/proc/{child.pid}/stat").read_text().split(")")[-1].split()[0] != "Z":  # exited, not reaped
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert Path(f"/proc/{child.pid}/cmdline").read_bytes() == b""  # what an exiting process shows
+    assert Path(f"/proc/{child.pid}/cmdline").read_bytes() == b""  # as an exiting process's reads
     queue = fake_queue(tmp_path, registry)
     job, _ = queue.submit(job_yaml(tmp_path, "killed"))
-    job.state, job.pid, job.started_at = "running", child.pid, time.time() - 5
+    ticks = control.process_start_ticks(child.pid)
+    job.state, job.pid, job.process_start, job.started_at = "running", child.pid, ticks, time.time() - 5
     queue.save(job)
-    control.Status(state="running", pid=child.pid, process_start=control.process_start_ticks(child.pid)).write(
-        Path(job.run_folder))
+    control.Status(state="running", pid=child.pid, process_start=ticks).write(Path(job.run_folder))
     try:
         with monkeypatch.context() as exiting:  # not a zombie yet: alive, to the queue and to the run's status
             exiting.setattr(jobs, "process_alive", lambda pid: True)
             exiting.setattr(control, "process_alive", lambda pid: True)
+            other = queue.job(job.id)
+            other.process_start = ticks - 1  # the pid's process started at another moment: not the job's
+            assert not queue.still_runs(other)
             queue.check_running(queue.job(job.id))
             assert queue.job(job.id).state == "running"
         queue.check_running(queue.job(job.id))

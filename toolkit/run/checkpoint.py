@@ -180,6 +180,11 @@ def optimizer_problems(saved: dict, optimizer: torch.optim.Optimizer) -> list[st
     return problems
 
 
+#: how torch computes a step, not a setting of the training (difftune may choose them: `adamw_implementation`): kept
+#: from the config like the rest, not reported as a change
+IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach"})
+
+
 def load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
     """Load the optimizer's moments, step counts and the running state some optimizers keep in their param groups
     (Prodigy's d, schedule-free's weight sum), but keep the current config's hyperparameters (the constructor's
@@ -195,7 +200,7 @@ def load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, sav
     changes = []
     for group, wanted in zip(optimizer.param_groups, current):
         for key, value in wanted.items():
-            if group.get(key) != value:
+            if group.get(key) != value and key not in IMPLEMENTATION_FLAGS:
                 changes.append(f"{key} {group.get(key)} -> {value}")
             group[key] = value
     place_step_counts(optimizer)

@@ -30,7 +30,7 @@ from toolkit.config.loader import ENV_PATTERN, ConfigError, check_paths, load_co
 from toolkit.config.preflight import written_folders
 from toolkit.errors import UserError
 from toolkit.files import write_json_atomic, write_text_atomic
-from toolkit.run.control import process_alive, run_state
+from toolkit.run.control import process_alive, process_start_ticks, run_state
 
 log = logging.getLogger("difftune")
 
@@ -60,6 +60,10 @@ class Job:
     #: the run's name in the dashboard (its folder under the training folder), when it is inside it
     run: str | None = None
     pid: int | None = None
+    #: when the job's process started, in the process table's clock ticks (`process_start_ticks`): a later process
+    #: that gets its pid has another value; None where it could not be read (or the job was started before this was
+    #: recorded: then the process's command line must name the job file)
+    process_start: int | None = None
     gpus: str | None = None
     started_at: float | None = None
     ended_at: float | None = None
@@ -286,7 +290,7 @@ class JobQueue:
             log.error("job %s could not start: %s", job.id, err)
             return False
         self.children[job.id] = child
-        job.state, job.pid = "running", child.pid
+        job.state, job.pid, job.process_start = "running", child.pid, process_start_ticks(child.pid)
         self.save(job)
         log.info("job %s started (pid %d%s)", job.id, child.pid, f", CUDA_VISIBLE_DEVICES={gpus}" if gpus else "")
         return True
@@ -296,7 +300,7 @@ class JobQueue:
         by its pid; otherwise the job failed (it is not started again: it may have begun and ended meanwhile)."""
         found = processes_running(self.job_file(job))
         if found:
-            job.state, job.pid = "running", found[0]
+            job.state, job.pid, job.process_start = "running", found[0], process_start_ticks(found[0])
             self.save(job)
         else:  # it never began, or began and ended since: its run folder says which
             self.ended(job, None, never_began="the dashboard ended while starting it; queue it again to run it")
@@ -310,11 +314,22 @@ class JobQueue:
                 return
             del self.children[job.id]
         else:  # started by an earlier dashboard: watched by its pid
-            if job.pid is not None and process_alive(job.pid) and (runs_job(job.pid, self.job_file(job))
-                                                                   or exiting(job.pid)):
-                return  # an exiting process is watched until it is gone: its run's status names it still
+            if job.pid is not None and self.still_runs(job):
+                return
             returncode = None
         self.ended(job, returncode)
+
+    def still_runs(self, job: Job) -> bool:
+        """Whether the job's process, watched by its pid, still runs: alive (not a zombie) and the same process, by
+        its start time where the job recorded it, else by its command line naming the job file. The start time holds
+        while a killed process exits (for a moment, longer on a busy machine, its command line reads empty while its
+        run's status still names it alive): the job ends once the process is gone, `crashed`, not before."""
+        if not process_alive(job.pid):
+            return False
+        if job.process_start is not None:
+            ticks = process_start_ticks(job.pid)
+            return ticks is None or ticks == job.process_start
+        return runs_job(job.pid, self.job_file(job))
 
     def ended(self, job: Job, returncode: int | None, never_began: str = "") -> None:
         """A job whose process is gone: its run's state (finished, stopped, failed, crashed) when its run began,
@@ -345,20 +360,6 @@ def runs_job(pid: int, job_file: Path) -> bool:
     except OSError:
         return True
     return os.fsencode(str(job_file)) in arguments
-
-
-def exiting(pid: int) -> bool:
-    """Whether process `pid` is on its way out (Linux): its memory, which holds its command line, is released, so
-    that reads empty, while it is not yet a zombie; a process killed with its run's status still saying `running` is
-    in this state for a moment (longer on a busy machine), and is not another process that got its pid. Kernel
-    threads, whose command line is empty too, are kthreadd (2) or its children."""
-    try:
-        arguments = Path(f"/proc/{pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        parent = int(stat[stat.rfind(")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return False
-    return not arguments and pid != 2 and parent not in (0, 2)
 
 
 def processes_running(job_file: Path) -> list[int]:

@@ -69,11 +69,11 @@ def build_optimizer(section: OptimizerSection, params: list[torch.nn.Parameter] 
 def adamw_implementation(params: list[torch.nn.Parameter] | list[dict], given: dict, loss_scaled: bool) -> dict:
     """`{"fused": True}`: torch's fused AdamW, one kernel per device and dtype over all parameters instead of a dozen
     operations per parameter (the same update rule: on the CPU a LoRA's AdamW step takes a third of the time; on a
-    GPU it is the fastest of torch's three). `{}` (torch's own choice) where the config chooses (`foreach`,
-    `fused`) or asks for `differentiable`, where a parameter is on a device without fused kernels, and with an fp16
+    GPU it is the fastest of torch's three). `{}` (torch's own choice) where the config chooses (`foreach` or
+    `fused`, `null` included) or asks for `differentiable`, where a parameter is on a device without fused kernels, and with an fp16
     GradScaler: accelerate tells a skipped update by whether the optimizer's step ran, and a fused step always runs
     (it skips inside), so the LR schedule would advance over skipped updates."""
-    if loss_scaled or given.get("fused") is not None or given.get("foreach") is not None or given.get("differentiable"):
+    if loss_scaled or "fused" in given or "foreach" in given or given.get("differentiable"):  # `null`: torch's choice
         return {}
     tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     supported = fused_devices()
