@@ -701,8 +701,8 @@ def table(results: dict) -> str:
     rows += [
         ("difftune's own metrics `time` vs harness clock", "-" if own is None else
          f"{own['metrics']:.4f} vs {own['harness']:.4f} s/update"),
-        ("plain loops' AdamW", "the trainer's implementation" if results["settings"].get("plain_optimizer") == "trainer"
-         else "torch's defaults"),
+        ("plain loops' AdamW", "the trainer's implementation"
+         if results["settings"].get("plain_optimizer") == "trainer" else "torch's defaults"),
         ("cache speed-up", f"{results['cache_speedup']['speedup']:.2f}x"),
         ("start-up: imports / model load / caching", f"{seconds(s.get('imports_s'), 1)} / "
                                                      f"{seconds(s['model_load_s'], 2)} / {seconds(s['caching_s'], 2)} s"),

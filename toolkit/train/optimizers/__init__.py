@@ -70,9 +70,9 @@ def adamw_implementation(params: list[torch.nn.Parameter] | list[dict], given: d
     """`{"fused": True}`: torch's fused AdamW, one kernel per device and dtype over all parameters instead of a dozen
     operations per parameter (the same update rule: on the CPU a LoRA's AdamW step takes a third of the time; on a
     GPU it is the fastest of torch's three). `{}` (torch's own choice) where the config chooses (`foreach` or
-    `fused`, `null` included) or asks for `differentiable`, where a parameter is on a device without fused kernels, and with an fp16
-    GradScaler: accelerate tells a skipped update by whether the optimizer's step ran, and a fused step always runs
-    (it skips inside), so the LR schedule would advance over skipped updates."""
+    `fused`, `null` included) or asks for `differentiable`, where a parameter is on a device without fused kernels,
+    and with an fp16 GradScaler: accelerate tells a skipped update by whether the optimizer's step ran, and a fused
+    step always runs (it skips inside), so the LR schedule would advance over skipped updates."""
     if loss_scaled or "fused" in given or "foreach" in given or given.get("differentiable"):  # `null`: torch's choice
         return {}
     tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
@@ -83,7 +83,8 @@ def adamw_implementation(params: list[torch.nn.Parameter] | list[dict], given: d
 
 
 def fused_devices() -> set[str]:
-    """Device types with torch's fused optimizer kernels (torch's own list; CPU and CUDA where it moved)."""
+    """Device types with torch's fused optimizer kernels: torch's own list (a private function: CPU and CUDA where a
+    later torch moved it)."""
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
