@@ -162,15 +162,22 @@ class RunState:
         return f"its process is gone without saying why; the same command resumes from {self.checkpoint.name}"
 
 
-def runs_here(status: Status) -> bool:
-    """Whether the process status.json names is alive and is the run's (a later process that got the same pid has
-    another start time; a file without it, written by an older difftune, is judged by the pid alone)."""
-    if not process_alive(status.pid):
+def same_process(pid: int, start: int | None) -> bool:
+    """Whether process `pid` is alive and is the one that started at `start` (`process_start_ticks`: a later process
+    that got the pid has another value; None: judged by the pid alone). The start time holds while a killed process
+    exits, when its command line already reads empty."""
+    if not process_alive(pid):
         return False
-    if status.process_start is None:
+    if start is None:
         return True
-    ticks = process_start_ticks(status.pid)
-    return ticks is None or ticks == status.process_start
+    ticks = process_start_ticks(pid)
+    return ticks is None or ticks == start
+
+
+def runs_here(status: Status) -> bool:
+    """Whether the process status.json names is alive and is the run's (a file without its start time, written by an
+    older difftune, is judged by the pid alone)."""
+    return same_process(status.pid, status.process_start)
 
 
 def run_state(run_dir: Path) -> RunState:

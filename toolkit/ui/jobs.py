@@ -30,7 +30,7 @@ from toolkit.config.loader import ENV_PATTERN, ConfigError, check_paths, load_co
 from toolkit.config.preflight import written_folders
 from toolkit.errors import UserError
 from toolkit.files import write_json_atomic, write_text_atomic
-from toolkit.run.control import process_alive, process_start_ticks, run_state
+from toolkit.run.control import process_alive, process_start_ticks, run_state, same_process
 
 log = logging.getLogger("difftune")
 
@@ -321,15 +321,12 @@ class JobQueue:
 
     def still_runs(self, job: Job) -> bool:
         """Whether the job's process, watched by its pid, still runs: alive (not a zombie) and the same process, by
-        its start time where the job recorded it, else by its command line naming the job file. The start time holds
-        while a killed process exits (for a moment, longer on a busy machine, its command line reads empty while its
-        run's status still names it alive): the job ends once the process is gone, `crashed`, not before."""
-        if not process_alive(job.pid):
-            return False
+        its start time where the job recorded it (`same_process`), else by its command line naming the job file. A
+        killed process exits for a moment (longer on a busy machine) with its command line read empty and its run's
+        status naming it alive: by its start time the job ends once the process is gone, `crashed`, not before."""
         if job.process_start is not None:
-            ticks = process_start_ticks(job.pid)
-            return ticks is None or ticks == job.process_start
-        return runs_job(job.pid, self.job_file(job))
+            return same_process(job.pid, job.process_start)
+        return process_alive(job.pid) and runs_job(job.pid, self.job_file(job))
 
     def ended(self, job: Job, returncode: int | None, never_began: str = "") -> None:
         """A job whose process is gone: its run's state (finished, stopped, failed, crashed) when its run began,
