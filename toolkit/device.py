@@ -22,21 +22,6 @@ DTYPES = {
 }
 
 
-def torch_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A config dtype name as a torch dtype; `auto` is bfloat16 on CUDA and float32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def mixed_precision(name: str, device: torch.device) -> str:
-    """accelerate's mixed_precision value for `train.dtype`."""
-    dtype = torch_dtype(name, device)
-    if dtype == torch.float16 and device.type != "cuda":
-        raise ValueError("train.dtype fp16 needs a CUDA device; use bf16 or fp32 on the CPU")
-    return {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-
-
 def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host tensor onto `device` without making the host wait: to CUDA it goes from pinned memory with
     `non_blocking` (a blocking copy waits for all the work already queued on the device); the dtype changes

@@ -56,7 +56,7 @@ def keep_quantized_linear_dtypes_matched() -> None:
     - on the CPU, quanto's qint8 matmul sends bf16 activations to `torch._weight_int8pack_mm`, which needs the
       scales in the activations' dtype too, and the float32 scales fail: "expected scalar type BFloat16 but
       found Float". Such a call takes quanto's generic path instead (dequantize, then matmul, where autocast
-      applies), the one it takes on CUDA."""
+      applies), the one it takes on CUDA. So do the calls that kernel would crash on (`int8pack_mm_takes`)."""
     from optimum.quanto.library import qbytes_mm as kernels
     from optimum.quanto.tensor.function import QuantizedLinearFunction
 
@@ -89,7 +89,7 @@ def keep_quantized_linear_dtypes_matched() -> None:
     if not getattr(int8pack_mm, "difftune_guard", False):
 
         def int8pack_mm_of_one_dtype(activations, weights, output_scales):
-            if activations.dtype != output_scales.dtype:
+            if not int8pack_mm_takes(activations, output_scales):
                 return kernels.qbytes_mm(activations, weights, output_scales)
             return int8pack_mm(activations, weights, output_scales)
 
@@ -97,6 +97,17 @@ def keep_quantized_linear_dtypes_matched() -> None:
         int8pack_mm_of_one_dtype.__wrapped_original__ = int8pack_mm
         # quanto's CPU kernel looks this name up in its module when it runs
         kernels.qbytes_int8pack_mm = int8pack_mm_of_one_dtype
+
+
+def int8pack_mm_takes(activations: torch.Tensor, output_scales: torch.Tensor) -> bool:
+    """Whether torch's CPU `_weight_int8pack_mm` (quanto's qint8 matmul on the CPU) can take these: the scales in the
+    activations' dtype, and, for activations below float32, an inner dimension (the layer's in_features) that is a
+    multiple of 16. In torch 2.14.1 bf16 activations of any other width end the process with a segmentation fault
+    (tried: 8, 24, 40, 56 crash; 16, 32, 48, 64, 80 run; float32 runs at every width). Full-size models' widths are
+    multiples of 16; tiny ones' and some projections' need not be."""
+    if activations.dtype != output_scales.dtype:
+        return False
+    return activations.dtype == torch.float32 or activations.shape[-1] % 16 == 0
 
 
 def quanto_qtype(name: str):

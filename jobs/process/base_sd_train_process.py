@@ -25,7 +25,7 @@ from toolkit.config.loader import check_paths
 from toolkit.config.schema import SDTrainerConfig
 from toolkit.data.dataset import scan_datasets
 from toolkit.data.training_data import TrainingData, usable_cores
-from toolkit.device import DTYPES, ModulePlacement, as_dtype, flush, memory_debug, modules_on, torch_dtype
+from toolkit.device import DTYPES, ModulePlacement, as_dtype, flush, memory_debug, modules_on
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
 from toolkit.network.files import file_has_component, load_component, part_file, write_comfy_file
@@ -103,7 +103,8 @@ class BaseSDTrainProcess(BaseProcess):
         self.runtime = RunAccelerator(
             cfg.train.runtime, cfg.device, self.folder.root, cfg.logging.tensorboard,
             # peft's LoKr/LoHa skip a dropped module's computation entirely (LoRA's module dropout multiplies by 0)
-            unused_parameters=network.type != "lora" and network.module_dropout > 0)
+            unused_parameters=network.type != "lora" and network.module_dropout > 0, model_dtype=cfg.model.dtype)
+        self.precision = self.runtime.precision
         self.accelerator = self.runtime.accelerator
         self.monitor = Monitor(self.folder, self.accelerator, self.runtime.host_group, cfg.logging, self.job.name)
         self.position = Position()
@@ -159,7 +160,8 @@ class BaseSDTrainProcess(BaseProcess):
         if renderer.enabled:
             renderer.check_size(self.adapter.divisor)
         self.sampler = Sampler(renderer, self.adapter, self.placement, self.trained_modules, self.mirrors,
-                               acc.is_main_process, cfg.logging.debug_memory, weights=self.sample_weights)
+                               acc.is_main_process, cfg.logging.debug_memory, weights=self.sample_weights,
+                               precision=self.precision)
         self.say_which_files()
         parts = TrainedParts(self.components, self.optimizer, self.lr_scheduler, acc.scaler, self.ema)
         self.checkpoints = Checkpoints(acc, self.folder.checkpoints, cfg.save.max_step_saves_to_keep, parts,
@@ -194,7 +196,7 @@ class BaseSDTrainProcess(BaseProcess):
         # models used for nothing else.
         with acc.main_process_first():
             adapter = get_adapter_class(cfg.model.arch).load(
-                cfg.model, acc.device, torch_dtype(cfg.model.dtype, acc.device),
+                cfg.model, acc.device, self.precision.base,
                 debug_memory=cfg.logging.debug_memory, sampling_models=acc.is_main_process)
         if cfg.train.zero_terminal_snr:
             adapter.use_zero_terminal_snr()

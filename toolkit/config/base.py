@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 
 DType = Literal["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"]
 QType = Literal["qfloat8", "qint8", "qint4"]
+#: the half precisions by each of their config names: `model.dtype` and `train.dtype` must not name two different ones
+HALF_PRECISIONS = {"fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 
 
 def aka(*names: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator
 
-from toolkit.config.base import DType, Problem, QType, Section, aka
+from toolkit.config.base import HALF_PRECISIONS, DType, Problem, QType, Section, aka
 from toolkit.config.sections import (
     DatasetConfig,
     EMAConfig,
@@ -67,7 +67,7 @@ class SDTrainerConfig(Section):
 
     def problems(self) -> list[Problem]:
         """Checks against the family's facts and across sections, before any weight loads."""
-        return self._family_problems() + self._text_encoder_lora_problems()
+        return self._family_problems() + self._text_encoder_lora_problems() + self._precision_problems()
 
     def _family_problems(self) -> list[Problem]:
         """What the family can do: keys it has no use for, or that need another of its keys."""
@@ -117,6 +117,16 @@ class SDTrainerConfig(Section):
         if self.sample.fps is not None and not facts.video:
             problems.append(("sample.fps", f"the {arch} family ({facts.title}) renders images; remove it"))
         return problems
+
+    def _precision_problems(self) -> list[Problem]:
+        """Two different half precisions for the base and the autocast cannot run: the base's norm layers (GroupNorm,
+        LayerNorm) do not take activations of the other half dtype, on the CPU or CUDA (toolkit/precision.py)."""
+        base, compute = (HALF_PRECISIONS.get(self.model.dtype), HALF_PRECISIONS.get(self.train.dtype))
+        if base and compute and base != compute:
+            return [("model.dtype", f"{self.model.dtype} cannot go with train.dtype: {self.train.dtype}: the base's norm "
+                     "layers cannot take activations of the other half precision; use the same for both, or "
+                     "model.dtype: fp32")]
+        return []
 
     def _text_encoder_lora_problems(self) -> list[Problem]:
         """A trained text encoder encodes every caption live; combinations that cannot are named here."""

@@ -18,7 +18,7 @@ from accelerate.utils import (
 )
 
 from toolkit.config.sections import RuntimeSection
-from toolkit.device import mixed_precision
+from toolkit.precision import Precision
 from toolkit.errors import UserError
 
 log = logging.getLogger("difftune")
@@ -74,17 +74,32 @@ def refuse_sharded_launch() -> None:
             "with `quantize_te` and `low_vram`) and launch with --multi_gpu; see docs/multi-gpu.md.")
 
 
+def enable_cpu_fp16(accelerator: Accelerator) -> None:
+    """fp16 mixed precision where accelerate leaves it off: on the CPU, accelerate (1.16) keeps `mixed_precision="fp16"`
+    in its state but sets neither autocast nor a GradScaler, so the run would silently train in float32. torch has
+    both for the CPU (`torch.autocast("cpu", dtype=torch.float16)`, `torch.amp.GradScaler("cpu")`), so the two
+    attributes accelerate reads are set as it sets them on CUDA: its model wrapper then autocasts in fp16, its
+    `backward` scales the loss, its optimizer wrapper unscales and skips non-finite steps. The CPU runs the fp16
+    code path a GPU run takes."""
+    if accelerator.state.mixed_precision != "fp16":
+        raise ValueError(f"enable_cpu_fp16 on an accelerator of mixed precision {accelerator.state.mixed_precision}")
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler(accelerator.device.type)
+
+
 class RunAccelerator:
     """accelerate's Accelerator for one run, and the host group beside it; `close` forgets accelerate's
     process-wide state so that the next job of the same process can choose its own."""
 
     def __init__(self, runtime: RuntimeSection, device: str, run_dir: Path, tensorboard: bool = False,
-                 unused_parameters: bool = False):
+                 unused_parameters: bool = False, model_dtype: str = "auto"):
         refuse_sharded_launch()
         target = target_device(device)
         if target.type == "cuda" and target.index is not None:
             torch.cuda.set_device(target.index)
-        self.mixed_precision = mixed_precision(runtime.dtype, target)
+        #: the run's dtypes (toolkit/precision.py): `model_dtype` for the frozen base, `runtime.dtype` for autocast
+        self.precision = Precision.of(model_dtype, runtime.dtype, target)
+        self.mixed_precision = self.precision.mixed_precision
         self.accelerator = Accelerator(
             # e.g. peft's LoKr/LoHa skip a dropped module entirely: its weights get no gradient that step
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] if unused_parameters else None,
@@ -97,6 +112,8 @@ class RunAccelerator:
             project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
             dynamo_plugin=dynamo_plugin(runtime),
         )
+        if self.precision.scales_loss and self.accelerator.scaler is None:
+            enable_cpu_fp16(self.accelerator)
         self.host_group = host_process_group(self.accelerator.num_processes)
 
     @property

@@ -18,6 +18,7 @@ from toolkit.device import ModulePlacement, flush, memory_debug, modules_on
 from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter
+from toolkit.precision import Precision
 from toolkit.run.video import write_video
 from toolkit.train.weights import in_eval_mode
 
@@ -140,8 +141,10 @@ class Sampler:
 
     def __init__(self, renderer: SampleRenderer, adapter: ModelAdapter, placement: ModulePlacement,
                  trained_modules: list[torch.nn.Module], mirrors: list, is_main: bool, debug_memory: bool = False,
-                 weights: Callable[[], AbstractContextManager] = nullcontext):
+                 weights: Callable[[], AbstractContextManager] = nullcontext, precision: Precision | None = None):
         self.weights = weights
+        #: the run's dtypes: the pipeline's denoisers compute as in training (None: as they are, e.g. in tests)
+        self.precision = precision
         self.renderer = renderer
         self.adapter = adapter
         self.placement = placement
@@ -164,10 +167,18 @@ class Sampler:
             with (in_eval_mode(self.trained_modules), memory_debug("sampling", self.debug_memory),
                   torch.random.fork_rng(devices=cuda_devices(device)), self.weights()):
                 conditioning = self.conditioning()
-                with modules_on(self.modules_for(conditioning), device, while_moving=self.mirrors_detached):
+                with (modules_on(self.modules_for(conditioning), device, while_moving=self.mirrors_detached),
+                      self.denoisers_as_in_training()):
                     return self.renderer.render(self.adapter, step, progress, conditioning)
         finally:
             flush()
+
+    def denoisers_as_in_training(self) -> AbstractContextManager:
+        """The denoisers a pipeline calls (the trained ones and the sampling copies sharing their LoRA) under the
+        training autocast, returning the base's dtype (toolkit/precision.py)."""
+        if self.precision is None:
+            return nullcontext()
+        return self.precision.denoisers_for_pipeline([*self.adapter.denoisers(), *self.adapter.sampling.mirrors()])
 
     def conditioning(self) -> list[dict | None]:
         """The prompts' conditioning, computed first where the family can, with an offloaded text encoder
