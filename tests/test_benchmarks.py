@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +176,61 @@ def test_start_up_figures_time_a_fresh_interpreter_and_the_first_metrics_line(tm
     check_paths(config, path)
     process = config.config.process[0]
     assert process.train.steps == 1 and process.sample.sample_every == 0 and process.save.save_every == 0
+
+
+def test_smoke_jobs_are_the_examples_shortened_in_one_precision(tmp_path, registry):
+    """Each family's tiny example, rewritten for the smoke run: both dtype keys, the device, a few updates with
+    checkpoints, samples, validation and an EMA, its dataset by absolute path and its run folder and caches in the
+    job's folder; the job file still loads."""
+    from benchmarks.gpu_smoke import examples, shortened
+    from toolkit.config.loader import check_paths, load_config
+
+    found = examples()
+    assert {"sd15", "sdxl", "flux", "zimage", "qwen_image", "wan", "wuerstchen"} <= set(found)
+    assert found["sd15"].name == "quickstart.yaml"
+    path = shortened(found["wan"], "fp16", "cuda", 3, tmp_path)
+    config, config_path = load_config(str(path), registry)
+    check_paths(config, config_path)
+    process = config.config.process[0]
+    assert (process.model.dtype, process.train.dtype, process.device) == ("fp16", "fp16", "cuda")
+    assert process.model.quantize and process.model.low_vram and process.train.cache_text_embeddings  # kept
+    assert process.train.steps == 3 and process.train.ema.decay == 0.9 and process.save.save_every == 2
+    sample = process.sample
+    assert (sample.sample_every, sample.sample_at_start, sample.sample_steps) == (2, True, 2)
+    assert process.validation.split == 0.25 and process.validation.every == 2
+    dataset = process.datasets[0]
+    assert dataset.folder_path == str(benchmarks.run.REPO / "config" / "examples" / "quickstart_clips")
+    assert Path(dataset.cache_dir).parent.parent == tmp_path
+    assert process.training_folder == str(tmp_path / "output")
+
+
+def test_smoke_rows_tell_a_config_refusal_from_a_failure():
+    from benchmarks.gpu_smoke import error_line
+
+    refused = ("13:13:47 ERROR job.yaml: invalid config\n"
+               "  config.process[0].model.dtype: bf16 cannot go with train.dtype: fp16\n"
+               "13:13:47 ERROR failed: job.yaml\n")
+    assert error_line(refused, first=True) == (
+        "job.yaml: invalid config: config.process[0].model.dtype: bf16 cannot go with train.dtype: fp16")
+    crashed = ("13:13:47 ERROR job job.yaml failed\nTraceback (most recent call last):\n"
+               "  File \"x.py\", line 1\n"
+               "RuntimeError: expected scalar type Half but found BFloat16\n"
+               "13:13:48 ERROR failed: job.yaml\n")
+    assert error_line(crashed, first=False) == "RuntimeError: expected scalar type Half but found BFloat16"
+
+
+@pytest.mark.slow
+def test_gpu_smoke_runs_the_quickstart_on_the_cpu(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_smoke", "--device", "cpu",
+                           "--families", "sd15", "--precisions", "bf16", "--keep", str(tmp_path / "runs")],
+                          cwd=benchmarks.run.REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("sd15 "))
+    family, precision, status, seconds, loss, finite, samples = row.split()[:7]
+    assert (precision, status, finite) == ("bf16", "ok", "yes"), row
+    assert float(seconds) > 0 and math.isfinite(float(loss)) and int(samples) > 0
+    written = tmp_path / "runs" / "sd15_bf16" / "output" / "quickstart" / "samples"
+    assert len(list(written.glob("*.png"))) == int(samples)
