@@ -298,7 +298,9 @@ class RuntimeSection(Section):
     """How the loop runs: precision, memory, compilation, data workers."""
 
     dtype: Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Mixed precision of the forward pass. `auto`: bf16 on CUDA, fp32 on CPU.",
+        "auto", description="Autocast precision of the denoiser's forward, in training, the validation loss and samples "
+        "alike; the LoRA, its gradients and optimizer state stay float32. fp16 scales the loss with a GradScaler (on the "
+        "CPU too). `auto`: none (fp32) on the CPU; on CUDA `model.dtype`'s half precision where it names one, else bf16.",
         json_schema_extra=aka("mixed_precision"),
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trained model.")

@@ -67,7 +67,9 @@ class ModelConfigBase(Section):
         json_schema_extra=aka("path", "pretrained_model_name_or_path", "model_path"),
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"] = Field(
-        "auto", description="Dtype of the frozen base weights. `auto`: bfloat16 on CUDA, float32 on CPU."
+        "auto", description="Dtype of the frozen base weights. `auto`: float32 on the CPU; on CUDA `train.dtype`'s half "
+        "precision where it names one (fp16 with fp16), else bfloat16. Two different half precisions for this and "
+        "`train.dtype` are refused (docs/architecture.md, Precision)."
     )
     variant: str | None = Field(None, description="Weight file variant of a diffusers folder, e.g. `fp16`.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
