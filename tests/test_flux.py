@@ -20,22 +20,56 @@ from toolkit.models.registry import get_adapter_class, model_config
 CPU = torch.device("cpu")
 PROMPTS = ["a red circle on a blue background", ""]
 
-
-@pytest.fixture(scope="module")
-def dev(tiny_cache) -> FluxAdapter:
-    return FluxAdapter.load(model_config(arch="flux", name_or_path="tiny"), CPU, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def schnell(tiny_cache) -> FluxAdapter:
-    return FluxAdapter.load(model_config(arch="flux", name_or_path="tiny-schnell"), CPU, torch.float32)
+#: the dtypes the training math is pinned to the pipeline in: float32 and bf16 (what GPU runs train in). In bf16
+#: both sides run the same ops in the same dtype, so prompt embeddings, packing and Euler steps are equal bit for bit
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
+#: latents_from_dist works in float32 from the VAE's posterior whatever its dtype: float32 rounding (2.4e-7 measured)
+LATENT_ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5}
 
 
 @pytest.fixture(scope="module")
-def pipe(dev) -> FluxPipeline:
-    pipe = dev.sampling.pipeline()
+def loaded(tiny_cache):
+    """FLUX.1 adapters by (preset, dtype), each loaded once, when a test first asks for it."""
+    adapters: dict[tuple[str, torch.dtype], FluxAdapter] = {}
+
+    def get(preset: str, dtype: torch.dtype = torch.float32) -> FluxAdapter:
+        if (preset, dtype) not in adapters:
+            adapters[preset, dtype] = FluxAdapter.load(model_config(arch="flux", name_or_path=preset), CPU, dtype)
+        return adapters[preset, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def dev(loaded) -> FluxAdapter:
+    return loaded("tiny")
+
+
+@pytest.fixture(scope="module")
+def schnell(loaded) -> FluxAdapter:
+    return loaded("tiny-schnell")
+
+
+def pipeline(adapter: FluxAdapter) -> FluxPipeline:
+    pipe = adapter.sampling.pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def pipeline_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The timestep (1000 sigma) FluxPipeline's transformer is given at the scheduler's step t. The pipeline rounds
+    t to the model's dtype before dividing by 1000 (`t.to(latents.dtype) / 1000`): in bf16 that can land one bf16
+    step away from predict's single rounding of t / 1000 (759.6: 0.76171875 against 0.7578125), so predict is given
+    the sigma the pipeline's transformer saw; in float32 the two are the same."""
+    return t if dtype == torch.float32 else (t.to(dtype) / 1000).float() * 1000
+
+
+def euler_step(latents: torch.Tensor, dt: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+    """FlowMatchEulerDiscreteScheduler.step on the pipeline's latents (in the model's dtype) with the model output in
+    the model's dtype: predict returns float32 by contract, so its output is cast back to compare like with like; the
+    0-dim dt times it stays in that dtype (a 0-dim tensor does not promote), the sum is float32, cast back."""
+    dtype = latents.dtype
+    return (latents.float() + dt * velocity.to(dtype)).to(dtype)
 
 
 def test_the_variant_is_read_from_the_transformer(dev, schnell):
@@ -53,47 +87,61 @@ def test_the_variant_is_read_from_the_transformer(dev, schnell):
     assert short.encode_prompts(PROMPTS).embeds.shape[1] == 64
 
 
-def test_prompt_embeddings_are_the_pipelines(dev, pipe):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_embeddings_are_the_pipelines(loaded, dtype):
+    dev = loaded("tiny", dtype)
     ours = dev.encode_prompts(PROMPTS)
-    embeds, pooled, text_ids = pipe.encode_prompt(PROMPTS, prompt_2=None, device=CPU, max_sequence_length=512)
+    embeds, pooled, text_ids = pipeline(dev).encode_prompt(PROMPTS, prompt_2=None, device=CPU,
+                                                           max_sequence_length=512)
     assert ours.embeds.shape == (2, 512, 32) and ours.pooled.shape == (2, 32)
+    assert ours.embeds.dtype == embeds.dtype == dtype
     assert torch.equal(ours.embeds, embeds) and torch.equal(ours.pooled, pooled)
     assert not text_ids.any()  # the text position ids the prediction passes (zeros)
     assert ours.lengths[1].item() == 1  # the empty prompt: `</s>` alone
 
 
-def test_latents_invert_the_pipelines_decode_formula(dev):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latents_invert_the_pipelines_decode_formula(loaded, dtype):
+    """The posterior comes in the VAE's dtype; the latents are float32 in both dtypes (the formula in float32)."""
+    dev = loaded("tiny", dtype)
     pixels = torch.rand(1, 3, 32, 32) * 2 - 1
     dist = dev.encode_latent_dist(pixels)
     latents = dev.latents_from_dist(dist, torch.Generator().manual_seed(0))
-    sample = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(0))
+    assert dist.mean.dtype == dtype and latents.dtype == torch.float32
+    sample = dist.mean.float() + dist.std.float() * torch.randn(dist.mean.shape,
+                                                                generator=torch.Generator().manual_seed(0))
     config = dev.vae.config
-    assert torch.allclose(latents / config.scaling_factor + config.shift_factor, sample, atol=1e-5)
+    assert torch.allclose(latents / config.scaling_factor + config.shift_factor, sample, atol=LATENT_ATOL[dtype])
 
 
-def test_prediction_packs_as_the_pipeline_does(dev, pipe):
-    """The transformer called on FluxPipeline's own prepared latents and ids gives the prediction, unpacked."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prediction_packs_as_the_pipeline_does(loaded, dtype):
+    """The transformer called on FluxPipeline's own prepared latents and ids (in the model's dtype, as the pipeline
+    hands them) gives the prediction, unpacked; predict returns float32, the transformer the model's dtype."""
+    dev = loaded("tiny", dtype)
     embeds = dev.encode_prompts(PROMPTS[:1])
     generator = torch.Generator().manual_seed(3)
-    packed, image_ids = pipe.prepare_latents(1, 16, 32, 48, torch.float32, CPU, generator)
+    packed, image_ids = pipeline(dev).prepare_latents(1, 16, 32, 48, dtype, CPU, generator)
     assert packed.shape == (1, (32 // 16) * (48 // 16), 64)
     unpacked = FluxPipeline._unpack_latents(packed, 32, 48, 8)
     assert torch.equal(FluxPipeline._pack_latents(unpacked, 1, 16, 4, 6), packed)
     sigma = torch.tensor([0.7])
-    theirs = dev.transformer(hidden_states=packed, timestep=sigma, guidance=torch.tensor([1.0]),
+    theirs = dev.transformer(hidden_states=packed, timestep=sigma.to(dtype), guidance=torch.tensor([1.0]),
                              pooled_projections=embeds.pooled, encoder_hidden_states=embeds.embeds,
-                             txt_ids=torch.zeros(512, 3), img_ids=image_ids, return_dict=False)[0]
+                             txt_ids=torch.zeros(512, 3, dtype=dtype), img_ids=image_ids, return_dict=False)[0]
     ours = dev.predict(unpacked, sigma * 1000, embeds)
-    assert torch.allclose(ours, FluxPipeline._unpack_latents(theirs, 32, 48, 8), atol=1e-6)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, FluxPipeline._unpack_latents(theirs, 32, 48, 8).float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", ["dev", "schnell"])
-def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(variant, dev, schnell):
+def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(variant, dtype, loaded):
     """Every step of FluxPipeline is x_next = x + (sigma_next - sigma) * adapter.predict(x, 1000 sigma), with the
-    guidance the pipeline gives [dev]'s guidance embedding: fails with the sign or the timestep scale flipped."""
-    adapter = dev if variant == "dev" else schnell
-    pipe = adapter.sampling.pipeline()
-    pipe.set_progress_bar_config(disable=True)
+    guidance the pipeline gives [dev]'s guidance embedding, bit for bit in float32 and in bf16: fails with the sign
+    or the timestep scale flipped, or the timestep one bf16 step off."""
+    adapter = loaded("tiny" if variant == "dev" else "tiny-schnell", dtype)
+    pipe = pipeline(adapter)
     start = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(0))
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -109,12 +157,12 @@ def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(variant, de
     embeds = adapter.encode_prompts(PROMPTS[:1])
     adapter.train_guidance_scale = guidance
     try:
-        before = start
+        before = start.to(dtype)  # prepare_latents hands the pipeline's latents over in the model's dtype
         for i, (t, after) in enumerate(seen):
             after = FluxPipeline._unpack_latents(after, 32, 32, 8)
             assert torch.isclose(t, sigmas[i] * 1000)
-            velocity = adapter.predict(before, t.reshape(1), embeds)
-            assert torch.allclose(after, before + (sigmas[i + 1] - sigmas[i]) * velocity, atol=1e-5), i
+            velocity = adapter.predict(before, pipeline_timestep(t, dtype).reshape(1), embeds)
+            assert torch.equal(after, euler_step(before, sigmas[i + 1] - sigmas[i], velocity)), i
             flipped = adapter.predict(before, (1000 - t).reshape(1), embeds)
             assert not torch.allclose(velocity, flipped, atol=1e-3)  # the check can tell the timestep apart
             before = after
@@ -135,11 +183,14 @@ def test_guidance_reaches_devs_embedding_only(dev, schnell):
         assert (not torch.allclose(one, four)) == changes
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pixels", [512, 1024])
-def test_dynamic_shift_is_the_pipelines_calculate_shift(dev, pixels):
+def test_dynamic_shift_is_the_pipelines_calculate_shift(loaded, pixels, dtype):
     """[dev]'s sigma schedule at 512 and 1024 px: the shift from the packed sequence length is the pipeline's
-    `calculate_shift` with the scheduler's base/max shift, and shifting u gives the scheduler's own sigmas."""
-    latents = torch.zeros(1, 16, pixels // 8, pixels // 8)
+    `calculate_shift` with the scheduler's base/max shift, and shifting u gives the scheduler's own sigmas. The shift
+    and the sigmas are float64/float32 whatever the model's dtype, so bf16 holds them to float32 rounding too."""
+    dev = loaded("tiny", dtype)
+    latents = torch.zeros(1, 16, pixels // 8, pixels // 8, dtype=dtype)
     seq_len = dev.noise_schedule.image_seq_len(latents)
     assert seq_len == (pixels // 16) ** 2
     config = dev.scheduler.config

@@ -25,16 +25,56 @@ CPU = torch.device("cpu")
 PROMPTS = ["a red circle on a blue background", "", "stripes"]
 
 
+#: the dtypes the training math is pinned to the pipeline in: float32 and bf16 (what GPU runs train in). In bf16
+#: both sides run the same ops in the same dtype, so prompt embeddings, packing and Euler steps are equal bit for bit
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
+#: latents_from_dist works in float32 from the VAE's posterior whatever its dtype: float32 rounding (4.8e-7 measured)
+LATENT_ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5}
+
+
 @pytest.fixture(scope="module")
-def adapter(tiny_cache) -> QwenImageAdapter:
-    return QwenImageAdapter.load(model_config(arch="qwen_image", name_or_path="tiny"), CPU, torch.float32)
+def loaded(tiny_cache):
+    """The tiny Qwen-Image adapter per dtype, each loaded once, when a test first asks for it."""
+    adapters: dict[torch.dtype, QwenImageAdapter] = {}
+
+    def get(dtype: torch.dtype = torch.float32) -> QwenImageAdapter:
+        if dtype not in adapters:
+            adapters[dtype] = QwenImageAdapter.load(model_config(arch="qwen_image", name_or_path="tiny"), CPU, dtype)
+        return adapters[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def adapter(loaded) -> QwenImageAdapter:
+    return loaded()
+
+
+def pipeline(adapter: QwenImageAdapter) -> QwenImagePipeline:
+    pipe = adapter.sampling.pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 @pytest.fixture(scope="module")
 def pipe(adapter) -> QwenImagePipeline:
-    pipe = adapter.sampling.pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return pipeline(adapter)
+
+
+def pipeline_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The timestep (1000 sigma) QwenImagePipeline's transformer is given at the scheduler's step t. The pipeline
+    rounds t to the model's dtype before dividing by 1000 (`t.to(latents.dtype) / 1000`): in bf16 that can land one
+    bf16 step away from predict's single rounding of t / 1000 (582.3: 0.5859375 against 0.58203125), so predict is
+    given the sigma the pipeline's transformer saw; in float32 the two are the same."""
+    return t if dtype == torch.float32 else (t.to(dtype) / 1000).float() * 1000
+
+
+def euler_step(latents: torch.Tensor, dt: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+    """FlowMatchEulerDiscreteScheduler.step on the pipeline's latents (in the model's dtype) with the model output in
+    the model's dtype: predict returns float32 by contract, so its output is cast back to compare like with like; the
+    0-dim dt times it stays in that dtype (a 0-dim tensor does not promote), the sum is float32, cast back."""
+    dtype = latents.dtype
+    return (latents.float() + dt * velocity.to(dtype)).to(dtype)
 
 
 def test_template_and_sizes_are_the_pipelines(adapter, pipe):
@@ -49,9 +89,12 @@ def test_template_and_sizes_are_the_pipelines(adapter, pipe):
     assert (adapter.sampling.default_guidance_scale, adapter.sampling.default_steps) == (4.0, 20)
 
 
-def test_prompt_embeddings_and_masks_are_encode_prompts(adapter, pipe):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_embeddings_and_masks_are_encode_prompts(loaded, dtype):
+    adapter = loaded(dtype)
     ours = adapter.encode_prompts(PROMPTS)
-    embeds, mask = pipe.encode_prompt(PROMPTS, device=CPU)
+    embeds, mask = pipeline(adapter).encode_prompt(PROMPTS, device=CPU)
+    assert ours.embeds.dtype == embeds.dtype == dtype
     assert ours.embeds.shape == embeds.shape and torch.equal(ours.embeds, embeds)
     assert torch.equal(ours.attention_mask.long(), mask)
     assert ours.lengths.tolist() == mask.sum(dim=1).tolist()
@@ -60,45 +103,57 @@ def test_prompt_embeddings_and_masks_are_encode_prompts(adapter, pipe):
     first, stop = adapter.text.caption_token_span(int(ours.lengths[2]))
     assert (first, stop) == (0, int(ours.lengths[2]) - int(ours.lengths[1]))
     short = QwenImageAdapter.load(model_config(arch="qwen_image", name_or_path="tiny", max_sequence_length=8), CPU,
-                                  torch.float32)
+                                  dtype)
     cut = short.encode_prompts(PROMPTS[:1])
     assert cut.embeds.shape[1] == 8 and torch.equal(cut.embeds, ours.embeds[:1, :8])
     assert short.text.overlong_prompts(PROMPTS) == [0, 2]  # "stripes" is 7 byte tokens + the 5 of the tail
 
 
-def test_latents_are_normalised_as_the_pipeline_denormalises(adapter):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latents_are_normalised_as_the_pipeline_denormalises(loaded, dtype):
+    """The posterior comes in the VAE's dtype; the latents are float32 in both dtypes (the formula in float32)."""
+    adapter = loaded(dtype)
     pixels = torch.rand(2, 3, 32, 48) * 2 - 1
     dist = adapter.encode_latent_dist(pixels)
-    assert dist.mean.shape == (2, 16, 4, 6)
+    assert dist.mean.shape == (2, 16, 4, 6) and dist.mean.dtype == dtype
     latents = adapter.latents_from_dist(dist, torch.Generator().manual_seed(0))
-    sample = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(0))
+    assert latents.dtype == torch.float32
+    sample = dist.mean.float() + dist.std.float() * torch.randn(dist.mean.shape,
+                                                                generator=torch.Generator().manual_seed(0))
     config = adapter.vae.config
     mean = torch.tensor(config.latents_mean).view(1, 16, 1, 1)
     std = torch.tensor(config.latents_std).view(1, 16, 1, 1)
-    assert torch.allclose(latents * std + mean, sample, atol=1e-5)  # the pipeline's `latents / (1/std) + mean`
-    five_d = adapter.vae.encode(pixels.unsqueeze(2)).latent_dist.mean
+    # the pipeline's `latents / (1/std) + mean`
+    assert torch.allclose(latents * std + mean, sample, atol=LATENT_ATOL[dtype])
+    five_d = adapter.vae.encode(pixels.unsqueeze(2).to(dtype)).latent_dist.mean
     assert torch.equal(five_d.squeeze(2), dist.mean)
 
 
-def test_prediction_packs_as_the_pipeline_does(adapter, pipe):
-    """The transformer on QwenImagePipeline's own prepared latents gives the prediction, unpacked."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prediction_packs_as_the_pipeline_does(loaded, dtype):
+    """The transformer on QwenImagePipeline's own prepared latents (in the model's dtype, as the pipeline hands them)
+    gives the prediction, unpacked; predict returns float32, the transformer the model's dtype."""
+    adapter = loaded(dtype)
     embeds = adapter.encode_prompts(PROMPTS[:1])
-    packed = pipe.prepare_latents(1, 16, 32, 48, torch.float32, CPU, torch.Generator().manual_seed(3))
+    packed = pipeline(adapter).prepare_latents(1, 16, 32, 48, dtype, CPU, torch.Generator().manual_seed(3))
     assert packed.shape == (1, 2 * 3, 64)
     unpacked = QwenImagePipeline._unpack_latents(packed, 32, 48, 8).squeeze(2)
     assert torch.equal(QwenImagePipeline._pack_latents(unpacked, 1, 16, 4, 6), packed)
     sigma = torch.tensor([0.7])
-    theirs = adapter.transformer(hidden_states=packed, timestep=sigma, encoder_hidden_states=embeds.embeds,
+    theirs = adapter.transformer(hidden_states=packed, timestep=sigma.to(dtype), encoder_hidden_states=embeds.embeds,
                                  encoder_hidden_states_mask=None, img_shapes=[[(1, 2, 3)]], return_dict=False)[0]
     ours = adapter.predict(unpacked, sigma * 1000, embeds)
-    assert torch.allclose(ours, QwenImagePipeline._unpack_latents(theirs, 32, 48, 8).squeeze(2), atol=1e-6)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, QwenImagePipeline._unpack_latents(theirs, 32, 48, 8).squeeze(2).float())
 
 
-def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(adapter):
-    """Every step of QwenImagePipeline (no guidance) is x_next = x + (sigma_next - sigma) * predict(x, 1000 sigma):
-    fails with the sign or the timestep scale flipped."""
-    pipe = adapter.sampling.pipeline()
-    pipe.set_progress_bar_config(disable=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(loaded, dtype):
+    """Every step of QwenImagePipeline (no guidance) is x_next = x + (sigma_next - sigma) * predict(x, 1000 sigma),
+    bit for bit in float32 and in bf16: fails with the sign or the timestep scale flipped, or the timestep one bf16
+    step off."""
+    adapter = loaded(dtype)
+    pipe = pipeline(adapter)
     start = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(0))
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -111,12 +166,12 @@ def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(adapter):
          callback_on_step_end=record)
     sigmas = pipe.scheduler.sigmas
     embeds = adapter.encode_prompts(PROMPTS[:1])
-    before = start
+    before = start.to(dtype)  # prepare_latents hands the pipeline's latents over in the model's dtype
     for i, (t, after) in enumerate(seen):
         after = QwenImagePipeline._unpack_latents(after, 32, 32, 8).squeeze(2)
         assert torch.isclose(t, sigmas[i] * 1000)
-        velocity = adapter.predict(before, t.reshape(1), embeds)
-        assert torch.allclose(after, before + (sigmas[i + 1] - sigmas[i]) * velocity, atol=1e-5), i
+        velocity = adapter.predict(before, pipeline_timestep(t, dtype).reshape(1), embeds)
+        assert torch.equal(after, euler_step(before, sigmas[i + 1] - sigmas[i], velocity)), i
         flipped = adapter.predict(before, (1000 - t).reshape(1), embeds)
         assert not torch.allclose(velocity, flipped, atol=1e-3)  # the check can tell the timestep apart
         before = after
@@ -141,11 +196,14 @@ def test_a_prompt_predicts_the_same_whatever_it_is_batched_with(adapter):
     assert joined.embeds.shape[1] == alone[1].embeds.shape[1] and joined.attention_mask[1].sum() == 5
 
 
-def test_dynamic_shift_is_the_pipelines_calculate_shift(adapter):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dynamic_shift_is_the_pipelines_calculate_shift(loaded, dtype):
     """At 1024 px: the shift from the packed sequence length is the pipeline's `calculate_shift` with the
     released scheduler's base/max shift, and shifting u gives the scheduler's own (exponential) sigmas before its
-    terminal stretch."""
-    latents = torch.zeros(1, 16, 128, 128)
+    terminal stretch. The shift and the sigmas are float64/float32 whatever the model's dtype, so bf16 holds them to
+    float32 rounding too."""
+    adapter = loaded(dtype)
+    latents = torch.zeros(1, 16, 128, 128, dtype=dtype)
     seq_len = adapter.noise_schedule.image_seq_len(latents)
     assert seq_len == 64 * 64
     config = adapter.scheduler.config

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import StableDiffusionXLPipeline
 from helpers import inline_job, make_image
 from ldm_format import convert_vae, save_as_sgm_checkpoint
 from safetensors.torch import load_file, save_file
@@ -19,6 +18,11 @@ from toolkit.models.sdxl.adapter import SDXLAdapter
 
 CPU = torch.device("cpu")
 
+#: the dtypes the conditioning is pinned to the pipeline in: float32 and bf16 (what GPU runs train in). The UNet
+#: predicts in the model's dtype in both (no float32 cast), and both sides run the same ops in the same dtype, so
+#: prompt embeddings, size conditioning and the prediction are equal bit for bit in bf16 too
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
+
 
 @pytest.fixture(scope="module")
 def adapter(tiny_sdxl) -> SDXLAdapter:
@@ -26,8 +30,14 @@ def adapter(tiny_sdxl) -> SDXLAdapter:
 
 
 @pytest.fixture(scope="module")
-def pipe(adapter) -> StableDiffusionXLPipeline:
-    return adapter.sampling.pipeline()
+def bf16_adapter(tiny_sdxl) -> SDXLAdapter:
+    return SDXLAdapter.load(model_config(arch="sdxl", name_or_path="tiny"), CPU, torch.bfloat16)
+
+
+@pytest.fixture
+def typed(request, dtype) -> SDXLAdapter:
+    """The module's adapter in `dtype` (float32: `adapter`; bf16: `bf16_adapter`)."""
+    return request.getfixturevalue("adapter" if dtype == torch.float32 else "bf16_adapter")
 
 
 def test_registry_finds_the_sdxl_adapter_and_the_tiny_preset_loads(adapter, tiny_sdxl):
@@ -38,21 +48,28 @@ def test_registry_finds_the_sdxl_adapter_and_the_tiny_preset_loads(adapter, tiny
                                                   adapter.text_encoder_2) for p in module.parameters())
 
 
-def test_prompt_embeddings_are_the_pipelines(adapter, pipe):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_embeddings_are_the_pipelines(typed, dtype):
     """Hidden layer -2 of both encoders side by side and the second encoder's pooled projection, as
     StableDiffusionXLPipeline.encode_prompt computes them (the empty prompt included)."""
+    adapter = typed
     prompts = ["a photo of a cat, sitting", ""]
     ours = adapter.encode_prompts(prompts)
-    embeds, _, pooled, _ = pipe.encode_prompt(prompts, device=CPU, do_classifier_free_guidance=False)
+    embeds, _, pooled, _ = adapter.sampling.pipeline().encode_prompt(prompts, device=CPU,
+                                                                     do_classifier_free_guidance=False)
     assert ours.embeds.shape == (2, 77, 32 + 48) and ours.pooled.shape == (2, 32)
+    assert ours.embeds.dtype == embeds.dtype == ours.pooled.dtype == pooled.dtype == dtype
     assert torch.equal(ours.embeds, embeds) and torch.equal(ours.pooled, pooled)
     assert ours.lengths.tolist()[1] == 2  # start and end token
 
 
-def test_size_conditioning_is_the_crop_the_data_made(tmp_path, adapter, pipe):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_size_conditioning_is_the_crop_the_data_made(tmp_path, typed, dtype):
     """A wide image: its original size, the crop offset the resize-and-centre-crop produced, and the bucket,
     in the order of the pipeline's `_get_add_time_ids`; the training forward with them equals the UNet called
-    with the pipeline's own conditioning."""
+    with the pipeline's own conditioning (in the model's dtype, as the pipeline gives its latents and ids)."""
+    adapter = typed
+    pipe = adapter.sampling.pipeline()
     make_image(tmp_path / "wide.png", (150, 61), caption="wide")
     dataset = build_dataset([DatasetConfig(folder_path=str(tmp_path), resolution=[64])], None, adapter.divisor,
                             sizes=True)
@@ -62,9 +79,8 @@ def test_size_conditioning_is_the_crop_the_data_made(tmp_path, adapter, pipe):
     scale = max(width / 150, height / 61)
     left, top = (round(150 * scale) - width) // 2, (round(61 * scale) - height) // 2
     assert (left, top) != (0, 0)
-    ids = pipe._get_add_time_ids((61, 150), (top, left), (height, width), torch.float32,
-                                 text_encoder_projection_dim=32)
-    assert torch.equal(sizes.float().unsqueeze(0), ids)
+    ids = pipe._get_add_time_ids((61, 150), (top, left), (height, width), dtype, text_encoder_projection_dim=32)
+    assert torch.equal(sizes.to(dtype).unsqueeze(0), ids)
     assert load_pixels(item).shape == (3, height, width)
     # the dataset hands the same sizes with the sample
     assert torch.equal(dataset[0]["image_sizes"], sizes)
@@ -74,24 +90,26 @@ def test_size_conditioning_is_the_crop_the_data_made(tmp_path, adapter, pipe):
     noisy = torch.randn(1, 4, height // 8, width // 8, generator=torch.Generator().manual_seed(0))
     t = torch.tensor([400])
     ours = adapter.predict(noisy, t, embeds, image_sizes=sizes.unsqueeze(0))
-    theirs = adapter.unet(noisy, t, encoder_hidden_states=embeds.embeds,
+    theirs = adapter.unet(noisy.to(dtype), t, encoder_hidden_states=embeds.embeds,
                           added_cond_kwargs={"text_embeds": pooled, "time_ids": ids}).sample
-    assert torch.equal(ours, theirs)
+    assert ours.dtype == theirs.dtype == dtype and torch.equal(ours, theirs)
     other = adapter.predict(noisy, t, embeds, image_sizes=torch.tensor([[height, width, 0, 0, height, width]]))
     assert not torch.allclose(ours, other)  # the sizes do condition the model
 
 
-def test_v_prediction_with_zero_terminal_snr(tiny_sdxl):
-    """The target is v (diffusers' own get_velocity), the last alpha-bar is 0, and the sampling scheduler has the
-    same settings (v-prediction, rescaled betas, trailing timesteps)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_v_prediction_with_zero_terminal_snr(tiny_sdxl, dtype):
+    """The target is v (diffusers' own get_velocity, bit for bit on latents in the model's dtype too), the last
+    alpha-bar is 0, and the sampling scheduler has the same settings (v-prediction, rescaled betas, trailing
+    timesteps)."""
     adapter = SDXLAdapter.load(model_config(arch="sdxl", name_or_path="tiny", prediction_type="v_prediction"), CPU,
-                               torch.float32)
+                               dtype)
     adapter.use_zero_terminal_snr()
     schedule = adapter.noise_schedule
     assert schedule.prediction_type == "v_prediction"
     assert adapter.scheduler.alphas_cumprod[-1].item() == 0.0
     generator = torch.Generator().manual_seed(0)
-    latents, noise = torch.randn(3, 4, 8, 8, generator=generator), torch.randn(3, 4, 8, 8, generator=generator)
+    latents, noise = (torch.randn(3, 4, 8, 8, generator=generator).to(dtype) for _ in range(2))
     t = schedule.timesteps(torch.tensor([0.1, 0.5, 0.9999]))
     assert t[-1].item() == 999
     assert torch.equal(schedule.target(latents, noise, t), adapter.scheduler.get_velocity(latents, noise, t))
@@ -178,10 +196,13 @@ def test_predict_without_sizes_uses_the_uncropped_latent_size(adapter):
                        adapter.predict(noisy, t, embeds, image_sizes=torch.tensor([[64, 96, 0, 0, 64, 96]] * 2)))
 
 
-def test_sampling_conditioning_is_the_pipelines_with_zero_negative(adapter, pipe):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampling_conditioning_is_the_pipelines_with_zero_negative(typed, dtype):
+    adapter = typed
     given = adapter.sampling.conditioning("a red circle", "")
-    embeds, negative, pooled, negative_pooled = pipe.encode_prompt("a red circle", device=CPU,
-                                                                   do_classifier_free_guidance=True)
+    embeds, negative, pooled, negative_pooled = adapter.sampling.pipeline().encode_prompt(
+        "a red circle", device=CPU, do_classifier_free_guidance=True)
+    assert given["prompt_embeds"].dtype == embeds.dtype == dtype
     assert torch.equal(given["prompt_embeds"], embeds) and torch.equal(given["pooled_prompt_embeds"], pooled)
     assert not given["negative_prompt_embeds"].any() and not given["negative_pooled_prompt_embeds"].any()
 

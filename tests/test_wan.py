@@ -18,19 +18,40 @@ from toolkit.models.wan.adapter import WanAdapter
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red circle rolls over a blue floor", "", "stripes"]
+PRESETS = ["tiny", "tiny-wan2.2-5b"]
+
+#: the dtypes the training math is pinned to the pipeline in: float32 and bf16 (what GPU runs train in)
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
+#: UMT5 (2 blocks) runs over the prompts' own tokens here and over 512 padded ones in the pipeline, the same sums in
+#: another order: 7.2e-7 measured in float32; in bf16 (8 significant bits) 0.031, two bf16 steps at |x| < 4
+PROMPT_ATOL = {torch.float32: 1e-5, torch.bfloat16: 0.0625}
+#: latents_from_dist works in float32 from the VAE's posterior whatever its dtype: float32 rounding (4.8e-7 measured)
+LATENT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-5}
 
 
-def load(name: str, **keys) -> WanAdapter:
-    return WanAdapter.load(model_config(arch="wan", name_or_path=name, **keys), CPU, torch.float32)
-
-
-@pytest.fixture(scope="module", params=["tiny", "tiny-wan2.2-5b"])
-def adapter(request, tiny_cache) -> WanAdapter:
-    return load(request.param)
+def load(name: str, dtype: torch.dtype = torch.float32, **keys) -> WanAdapter:
+    return WanAdapter.load(model_config(arch="wan", name_or_path=name, **keys), CPU, dtype)
 
 
 @pytest.fixture(scope="module")
-def pipe(adapter) -> WanPipeline:
+def loaded(tiny_cache):
+    """Wan adapters by (preset, dtype), each loaded once, when a test first asks for it."""
+    adapters: dict[tuple[str, torch.dtype], WanAdapter] = {}
+
+    def get(preset: str, dtype: torch.dtype = torch.float32) -> WanAdapter:
+        if (preset, dtype) not in adapters:
+            adapters[preset, dtype] = load(preset, dtype)
+        return adapters[preset, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def adapter(request, loaded) -> WanAdapter:
+    return loaded(request.param)
+
+
+def pipeline(adapter: WanAdapter) -> WanPipeline:
     """The sampling pipeline with the text encoder (which sampling leaves out), to encode prompts as WanPipeline."""
     sampling = adapter.sampling.pipeline()
     assert sampling.text_encoder is None
@@ -38,6 +59,11 @@ def pipe(adapter) -> WanPipeline:
                        boundary_ratio=sampling.config.boundary_ratio, expand_timesteps=sampling.config.expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@pytest.fixture(scope="module")
+def pipe(adapter) -> WanPipeline:
+    return pipeline(adapter)
 
 
 def test_layouts_and_sizes_are_the_pipelines(adapter, pipe):
@@ -49,36 +75,61 @@ def test_layouts_and_sizes_are_the_pipelines(adapter, pipe):
     assert adapter.sampling.default_fps == (24.0 if adapter.expand_timesteps else 16.0)
 
 
-def test_prompt_embeddings_are_the_pipelines(adapter, pipe):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prompt_embeddings_are_the_pipelines(loaded, preset, dtype):
+    adapter = loaded(preset, dtype)
     ours = adapter.encode_prompts(PROMPTS)
-    theirs = pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=512, device=CPU)[0]
+    theirs = pipeline(adapter).encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=512,
+                                             device=CPU)[0]
     padded = adapter.padded_embeds(ours)
-    assert padded.shape == theirs.shape == (3, 512, 32)
-    torch.testing.assert_close(padded, theirs, rtol=0, atol=1e-5)
+    assert padded.shape == theirs.shape == (3, 512, 32) and padded.dtype == theirs.dtype == dtype
+    torch.testing.assert_close(padded, theirs, rtol=0, atol=PROMPT_ATOL[dtype])
     # each prompt's own tokens with `</s>`; the rest zeros, as the pipeline pads them
     assert ours.lengths.tolist() == [int(theirs[i].abs().sum(dim=1).gt(0).sum()) for i in range(3)]
     assert adapter.text.caption_token_span(int(ours.lengths[2])) == (0, int(ours.lengths[2]) - 1)
 
 
-def test_latents_are_normalised_as_the_pipeline_denormalises(adapter):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_latents_are_normalised_as_the_pipeline_denormalises(loaded, preset, dtype):
+    """The posterior comes in the VAE's dtype; the latents are float32 in both dtypes (the formula in float32)."""
+    adapter = loaded(preset, dtype)
     clip = torch.rand(1, 3, 5, 64, 64) * 2 - 1
     dist = adapter.encode_latent_dist(clip)
     assert dist.mean.shape[2] == 2  # 5 frames -> 1 + 4 / 4 latent frames
+    assert dist.mean.dtype == dtype
     latents = adapter.latents_from_dist(dist, torch.Generator().manual_seed(0))
+    assert latents.dtype == torch.float32
     config = adapter.vae.config
     mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
     inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
     denormalised = latents / inverse_std + mean  # exactly WanPipeline.__call__'s decode input
-    sample = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(denormalised, sample, rtol=1e-5, atol=1e-5)
-    # an image is a one-frame clip: the same latent as the clip of that frame alone
+    sample = dist.mean.float() + dist.std.float() * torch.randn(dist.mean.shape,
+                                                                generator=torch.Generator().manual_seed(0))
+    tolerance = LATENT_TOLERANCE[dtype]
+    torch.testing.assert_close(denormalised, sample, rtol=tolerance, atol=tolerance)
+    # an image is a one-frame clip: the same latent as the clip of that frame alone (the same VAE ops on it)
     image = clip[:, :, 0]
-    torch.testing.assert_close(adapter.encode_latent_dist(image).mean, adapter.encode_latent_dist(clip[:, :, :1]).mean)
+    assert torch.equal(adapter.encode_latent_dist(image).mean, adapter.encode_latent_dist(clip[:, :, :1]).mean)
 
 
-def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(adapter, pipe):
+def euler_step(latents: torch.Tensor, dt: torch.Tensor, velocity: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FlowMatchEulerDiscreteScheduler.step as WanPipeline calls it, the model output in the model's `dtype`: predict
+    returns float32 by contract, so its output is cast back to compare like with like; the 0-dim dt times it stays in
+    that dtype (a 0-dim tensor does not promote), the sum is float32, and the latents come back in the model's
+    dtype (bf16 after the first step of a bf16 run)."""
+    return (latents.float() + dt * velocity.to(dtype)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(loaded, preset, dtype):
     """Three Euler steps of WanPipeline (its own loop, per-token timesteps included) equal
-    x + (sigma_next - sigma) predict(x); with the timestep flipped they do not."""
+    x + (sigma_next - sigma) predict(x), bit for bit in float32 and in bf16; with the timestep flipped they do not.
+    The pipeline takes predict's own prompt embeddings (their match to the pipeline's encoder is the test above)."""
+    adapter = loaded(preset, dtype)
+    pipe = pipeline(adapter)
     shift = adapter.scheduler.config.flow_shift
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     seen = []
@@ -88,22 +139,23 @@ def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(adapter, pi
         return kwargs
 
     size = adapter.divisor * 2
-    result = pipe("a red circle", num_frames=5, height=size, width=size, num_inference_steps=3, guidance_scale=1.0,
-                  output_type="latent", generator=torch.Generator().manual_seed(0), callback_on_step_end=record)
+    embeds = adapter.encode_prompts(["a red circle"])
+    result = pipe(prompt_embeds=adapter.padded_embeds(embeds), num_frames=5, height=size, width=size,
+                  num_inference_steps=3, guidance_scale=1.0, output_type="latent",
+                  generator=torch.Generator().manual_seed(0), callback_on_step_end=record)
     x = pipe.prepare_latents(1, adapter.transformer.config.in_channels, size, size, 5, torch.float32, CPU,
                              torch.Generator().manual_seed(0))
-    embeds = adapter.encode_prompts(["a red circle"])
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(3)
     sigmas = scheduler.sigmas
     flipped = x.clone()
     for i in range(3):
-        x = x + (sigmas[i + 1] - sigmas[i]) * adapter.predict(x, sigmas[i:i + 1] * 1000, embeds)
-        torch.testing.assert_close(x, seen[i], rtol=1e-4, atol=1e-5)
-        flipped = flipped + (sigmas[i + 1] - sigmas[i]) * adapter.predict(flipped, (1 - sigmas[i:i + 1]) * 1000,
-                                                                          embeds)
-    torch.testing.assert_close(x, result.frames, rtol=1e-4, atol=1e-5)
-    assert (flipped - result.frames).abs().max() > 1e-3
+        x = euler_step(x, sigmas[i + 1] - sigmas[i], adapter.predict(x, sigmas[i:i + 1] * 1000, embeds), dtype)
+        assert torch.equal(x, seen[i]), i
+        flipped = euler_step(flipped, sigmas[i + 1] - sigmas[i],
+                             adapter.predict(flipped, (1 - sigmas[i:i + 1]) * 1000, embeds), dtype)
+    assert torch.equal(x, result.frames)
+    assert (flipped.float() - result.frames.float()).abs().max() > 1e-3
 
 
 def test_a_prompt_predicts_the_same_whatever_it_is_batched_with(adapter):

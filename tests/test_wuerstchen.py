@@ -24,6 +24,12 @@ from toolkit.run.metrics import read_metrics
 TINY = {"arch": "wuerstchen", "name_or_path": "tiny", "image_encoder_path": "tiny", "decoder_name_or_path": "tiny"}
 UPDATES = 40
 
+#: the dtypes the prior's math is pinned in: float32 and bf16 (what GPU runs train in)
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
+#: the image embeddings against the encoder's own output, scaled: torch's float32 default (0.0 measured); in bf16 both
+#: sides run the encoder on the same bf16 input and scale its output in float32, so they are equal bit for bit
+EMBEDDING_TOLERANCE = {torch.float32: {}, torch.bfloat16: {"rtol": 0, "atol": 0}}
+
 
 def wuerstchen_process(tmp, **overrides) -> dict:
     base = {"model": TINY, "datasets": [{"folder_path": str(QUICKSTART_DATA), "resolution": [96]}]}
@@ -142,22 +148,64 @@ def test_lora_targets_the_prior_attention(trained):
     assert targets == {"to_q", "to_k", "to_v", "to_out.0"}  # the tiny prior has no added k/v projections
 
 
-def test_embeddings_are_the_scaled_imagenet_normalised_encoder_output(tiny_wuerstchen):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embeddings_are_the_scaled_imagenet_normalised_encoder_output(tiny_wuerstchen, dtype):
+    """The encoder runs in the model's dtype on the ImageNet-normalised pixels; the embeddings the prior trains on
+    are its output scaled, float32 in both dtypes (the pipeline decodes them as x 42 - 1)."""
     from toolkit.models.registry import model_config
     from toolkit.models.wuerstchen.adapter import WuerstchenAdapter
 
-    adapter = WuerstchenAdapter.load(model_config(**TINY), torch.device("cpu"), torch.float32)
+    adapter = WuerstchenAdapter.load(model_config(**TINY), torch.device("cpu"), dtype)
     pixels = torch.rand(2, 3, 64, 96) * 2 - 1
     normalise = Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
     with torch.no_grad():
-        expected = adapter.image_encoder(normalise((pixels + 1) / 2)).add(1).div(42)
-    assert adapter.encode_images(pixels).shape == (2, 16, 2, 3)  # 32x smaller
-    torch.testing.assert_close(adapter.encode_images(pixels), expected)
+        expected = adapter.image_encoder(normalise((pixels + 1) / 2).to(dtype)).float().add(1).div(42)
+    embeddings = adapter.encode_images(pixels)
+    assert embeddings.shape == (2, 16, 2, 3) and embeddings.dtype == torch.float32  # 32x smaller
+    torch.testing.assert_close(embeddings, expected, **EMBEDDING_TOLERANCE[dtype])
     # the cache key follows the encoder's weights
     identity = adapter.encoder_identity("image")
     with torch.no_grad():
         adapter.image_encoder.mapper[0].weight.mul_(1.01)
     assert adapter.encoder_identity("image") != identity
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_predict_is_the_prior_as_its_pipelines_steps_call_it(tiny_wuerstchen, dtype):
+    """Each step of WuerstchenPriorPipeline (no guidance) is its scheduler's step on adapter.predict(x, t, prompt):
+    the timestep is the pipeline's ratio in [0, 1] (rounded once to the model's dtype, as the pipeline rounds it) and
+    the prompt the CLIP encoder's last hidden state, bit for bit in float32 and in bf16, where the prior predicts in
+    bf16 on both sides; fails with the ratio flipped."""
+    from toolkit.models.registry import model_config
+    from toolkit.models.wuerstchen.adapter import WuerstchenAdapter
+
+    adapter = WuerstchenAdapter.load(model_config(**{**TINY, "decoder_name_or_path": None}), torch.device("cpu"),
+                                     dtype)
+    pipe = WuerstchenPriorPipeline(prior=adapter.prior, text_encoder=adapter.text_encoder,
+                                   tokenizer=adapter.tokenizer,
+                                   scheduler=DDPMWuerstchenScheduler.from_config(adapter.scheduler.config))
+    pipe.set_progress_bar_config(disable=True)
+    start = torch.randn(1, 16, 3, 3, generator=torch.Generator().manual_seed(0)).to(dtype)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(pipeline, step, t, kwargs):
+        seen.append((t.clone(), kwargs["latents"].clone()))
+        return {}
+
+    pipe("a red circle", num_inference_steps=3, height=96, width=96, guidance_scale=1.0, latents=start.clone(),
+         generator=torch.Generator().manual_seed(1), output_type="pt", callback_on_step_end=record)
+    embeds = adapter.encode_prompts(["a red circle"])
+    generator = torch.Generator().manual_seed(1)  # the step's noise, drawn as the pipeline drew it
+    before = start
+    for i, (t, after) in enumerate(seen):
+        prediction = adapter.predict(before, t.reshape(1), embeds)
+        assert prediction.dtype == dtype
+        step = pipe.scheduler.step(prediction, t.reshape(1).to(dtype), before, generator=generator).prev_sample
+        assert torch.equal(after, step), i
+        flipped = adapter.predict(before, (1 - t).reshape(1), embeds)
+        assert not torch.allclose(prediction.float(), flipped.float(), atol=1e-2)  # the check can tell t apart
+        before = after
+    assert len(seen) == 3
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,13 @@ from toolkit.run.sampling import SampleRenderer
 CPU = torch.device("cpu")
 PROMPTS = ["a cat", "a much longer prompt: a red barn on a hill at dusk, oil painting"]
 
+#: the dtypes the training math is pinned to the pipeline in: float32 and bf16 (what GPU runs train in). ZImagePipeline
+#: keeps its latents and steps in float32 as predict does, and both sides run the same ops in the model's dtype, so
+#: prompt embeddings and Euler steps are equal bit for bit in bf16 too
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
+#: latents_from_dist works in float32 from the VAE's posterior whatever its dtype: float32 rounding (4.8e-7 measured)
+LATENT_ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5}
+
 
 def load_tiny(dtype: torch.dtype = torch.float32) -> ZImageAdapter:
     return ZImageAdapter.load(model_config(arch="zimage", name_or_path="tiny"), CPU, dtype)
@@ -39,8 +46,18 @@ def adapter(tiny_zimage) -> ZImageAdapter:
     return load_tiny()
 
 
-@pytest.fixture(scope="session")
-def pipe(adapter) -> ZImagePipeline:
+@pytest.fixture(scope="module")
+def bf16_adapter(tiny_zimage) -> ZImageAdapter:
+    return load_tiny(torch.bfloat16)
+
+
+@pytest.fixture
+def typed(request, dtype) -> ZImageAdapter:
+    """The shared adapter in `dtype` (float32: `adapter`; bf16: `bf16_adapter`)."""
+    return request.getfixturevalue("adapter" if dtype == torch.float32 else "bf16_adapter")
+
+
+def pipeline(adapter: ZImageAdapter) -> ZImagePipeline:
     pipe = adapter.sampling.pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -57,19 +74,21 @@ def test_tiny_preset_loads_through_the_diffusers_folder_code(adapter, tiny_zimag
     assert adapter.encoder_identity("text") != adapter.encoder_identity("image")
 
 
-def test_prompt_embeddings_are_the_pipelines(adapter, pipe):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_embeddings_are_the_pipelines(typed, dtype):
+    adapter = typed
     prompts = [*PROMPTS, ""]
     embeds = adapter.encode_prompts(prompts)
     # fixed padding: batches, cache entries and the blank prompt stack and concatenate
     assert embeds.embeds.shape == (3, adapter.max_sequence_length, 32)
-    theirs, _ = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False)
-    ours = adapter.caption_features(embeds, torch.float32)
+    theirs, _ = pipeline(adapter).encode_prompt(list(prompts), do_classifier_free_guidance=False)
+    ours = adapter.caption_features(embeds, dtype)
     assert [len(t) for t in theirs] == embeds.lengths.tolist()
     assert len(theirs[0]) != len(theirs[1])
     for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
     blank = adapter.text.blank_prompt_embeds()
-    assert torch.equal(adapter.caption_features(blank, torch.float32)[0], theirs[2])
+    assert torch.equal(adapter.caption_features(blank, dtype)[0], theirs[2])
 
 
 def test_overlong_prompts_count_the_chat_template(adapter):
@@ -78,22 +97,31 @@ def test_overlong_prompts_count_the_chat_template(adapter):
     assert adapter.text.overlong_prompts(["short", "x" * (512 - 19), "x" * (512 - 18)]) == [2]
 
 
-def test_latents_invert_the_pipelines_decode_formula(adapter):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latents_invert_the_pipelines_decode_formula(typed, dtype):
+    """The posterior comes in the VAE's dtype; the latents are float32 in both dtypes (the formula in float32)."""
+    adapter = typed
     pixels = torch.rand(1, 3, 64, 48) * 2 - 1
     dist = adapter.encode_latent_dist(pixels)
     latents = adapter.latents_from_dist(dist, torch.Generator().manual_seed(3))
+    assert dist.mean.dtype == dtype
     assert latents.shape == (1, 16, 8, 6) and latents.dtype == torch.float32
     eps = torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(3))
-    vae_sample = dist.mean + dist.std * eps
+    vae_sample = dist.mean.float() + dist.std.float() * eps
     config = adapter.vae.config
     assert config.shift_factor != 0 and config.scaling_factor != 1
     # ZImagePipeline.__call__: latents / scaling_factor + shift_factor goes into vae.decode
-    assert torch.allclose(latents / config.scaling_factor + config.shift_factor, vae_sample, atol=1e-5)
+    assert torch.allclose(latents / config.scaling_factor + config.shift_factor, vae_sample,
+                          atol=LATENT_ATOL[dtype])
 
 
-def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(adapter, pipe):
-    """Every step of ZImagePipeline is x_next = x + (sigma_next - sigma) * adapter.predict(x, 1000 sigma): the
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(typed, dtype):
+    """Every step of ZImagePipeline is x_next = x + (sigma_next - sigma) * adapter.predict(x, 1000 sigma), bit for bit
+    in float32 and in bf16 (the pipeline keeps float32 latents and a float32 model output, as predict does): the
     timestep conversion (1 - sigma for the transformer) and the sign (negated output) are the pipeline's."""
+    adapter = typed
+    pipe = pipeline(adapter)
     start = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(0))
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -109,7 +137,8 @@ def test_predict_is_the_velocity_the_pipelines_euler_steps_integrate(adapter, pi
     for i, (t, after) in enumerate(seen):
         assert torch.isclose(t, sigmas[i] * 1000)
         velocity = adapter.predict(before, t.reshape(1), embeds)
-        assert torch.allclose(after, before + (sigmas[i + 1] - sigmas[i]) * velocity, atol=1e-5), i
+        assert after.dtype == velocity.dtype == torch.float32
+        assert torch.equal(after, before + (sigmas[i + 1] - sigmas[i]) * velocity), i
         flipped_t = adapter.predict(before, (1000 - t).reshape(1), embeds)
         assert not torch.allclose(velocity, flipped_t, atol=1e-3)  # the check can tell the timestep apart
         before = after
@@ -279,8 +308,8 @@ def test_quantization_blocks_and_full_precision_parts(adapter):
     assert torch.allclose(quantized, adapter.predict(noisy, t, embeds), atol=0.1)
 
 
-def test_dtype_applies_to_frozen_weights_and_predictions_are_float32():
-    adapter = load_tiny(torch.bfloat16)
+def test_dtype_applies_to_frozen_weights_and_predictions_are_float32(bf16_adapter):
+    adapter = bf16_adapter
     assert adapter.transformer.dtype == torch.bfloat16 and adapter.text_encoder.dtype == torch.bfloat16
     embeds = adapter.encode_prompts(["a"])
     assert adapter.predict(torch.randn(1, 16, 4, 4), torch.tensor([500.0]), embeds).dtype == torch.float32
