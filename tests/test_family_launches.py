@@ -1,8 +1,8 @@
 """Two-process checks in one launch: the transformer families (and the Wuerstchen prior), SDXL with its text
-encoders trained, and a LoKr with module dropout. The job files run in turn in the same two processes (gloo), so the
-launch's start-up (two interpreters importing torch, diffusers and transformers) is paid once rather than once per
-job. Each job is its family's own test configuration; every process's trained weights are recorded at the end, and
-must be the same on both."""
+encoders trained, a LoKr with module dropout, bf16 runs of SD 1.5 and FLUX.1 (qint8 base) and an fp16 run of SD 1.5,
+with samples. The job files run in turn in the same two processes (gloo), so the launch's start-up (two interpreters
+importing torch, diffusers and transformers) is paid once rather than once per job. Each job is its family's own test
+configuration; every process's trained weights are recorded at the end, and must be the same on both."""
 
 from __future__ import annotations
 
@@ -62,6 +62,19 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     jobs["lokr"] = trainer_process(tmp_path / "lokr", network={"type": "lokr", "linear": 4, "linear_alpha": 4,
                                                                 "module_dropout": 0.5},
                                    train={"steps": 4, "batch_size": 1})
+    # what GPU users run: bf16 base and autocast, a UNet family and a DiT on a qint8 base, with samples at step 0 and
+    # the end and the validation loss; and fp16 with its GradScaler (the same unscaled gradients on both processes)
+    half = {"sample": {"prompts": ["a red circle"], "sample_steps": 1, "width": 64, "height": 64,
+                       "sample_at_start": True}, "validation": {"split": 0.25, "every": 2}}
+    jobs["sd15_bf16"] = trainer_process(tmp_path / "sd15_bf16", model={"arch": "sd15", "name_or_path": "tiny",
+                                                                       "dtype": "bf16"},
+                                        train={"steps": 3, "batch_size": 1, "dtype": "bf16"}, **half)
+    jobs["sd15_fp16"] = trainer_process(tmp_path / "sd15_fp16", model={"arch": "sd15", "name_or_path": "tiny",
+                                                                       "dtype": "fp16"},
+                                        train={"steps": 3, "batch_size": 1, "dtype": "fp16"}, **half)
+    jobs["flux_bf16"] = flux_process(tmp_path / "flux_bf16", "tiny-schnell",
+                                     model={"dtype": "bf16", "quantize": True, "qtype": "qint8"},
+                                     train={"steps": 3, "dtype": "bf16"}, **half)
     for name in ("flux", "qwen_image", "wan", "wan21", "sdxl_te"):
         jobs[name]["datasets"][0]["cache_latents"] = True
     paths = [str(write_job(tmp_path / f"{name}.yaml", name, process)) for name, process in jobs.items()]
@@ -86,7 +99,7 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
         run_dir = tmp_path / name / "output" / name
         assert list(run_dir.glob(f"{name}*.safetensors")), name
         found = read_metrics(run_dir / "metrics.jsonl")
-        assert all(math.isfinite(r["loss"]) for r in found), name
+        assert all(math.isfinite(r["loss"]) for r in found if "loss" in r), name
         return found
 
     recorded = {path.stem: json.loads(path.read_text()) for path in loads.iterdir()}
@@ -114,3 +127,9 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     assert [r["lr"] for r in records("wan")] == pytest.approx([1e-3, 1e-3 * 3 / 4, 1e-3 / 2, 1e-3 / 4])
     assert all((wan / f"wan_{expert}.safetensors").is_file() for expert in ("high_noise", "low_noise"))
     assert np.isfinite([r["loss"] for r in records("qwen_image")]).all()
+    for name in ("sd15_bf16", "sd15_fp16", "flux_bf16"):
+        found = records(name)
+        assert [r["step"] for r in found if "loss" in r] == [1, 2, 3], name
+        assert all(math.isfinite(r["val_loss"]) for r in found if "val_loss" in r), name
+        samples = tmp_path / name / "output" / name / "samples"
+        assert sorted(p.name for p in samples.iterdir()) == ["step_000000000_0.png", "step_000000003_0.png"], name
