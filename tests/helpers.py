@@ -234,3 +234,20 @@ def assert_same_training(straight: Path, resumed: Path) -> None:
         ours = load_file(str(resumed / f"{resumed.name}{suffix}"))
         theirs = load_file(str(straight / f"{straight.name}{suffix}"))
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs), suffix
+
+
+def pipeline_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The timestep (1000 sigma) the FLUX.1 and Qwen-Image pipelines give their transformer at the scheduler's step t.
+    They round t to the model's dtype before dividing by 1000 (`t.to(latents.dtype) / 1000`): in bf16 that can land
+    one bf16 step away from predict's single rounding of t / 1000 (FLUX.1 at 759.6: 0.76171875 against 0.7578125;
+    Qwen-Image at 582.3: 0.5859375 against 0.58203125), so predict is given the sigma the pipeline's transformer saw;
+    in float32 the two are the same."""
+    return t if dtype == torch.float32 else (t.to(dtype) / 1000).float() * 1000
+
+
+def euler_step(latents: torch.Tensor, dt: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+    """FlowMatchEulerDiscreteScheduler.step on the pipeline's latents (in the model's dtype) with the model output in
+    the model's dtype: predict returns float32 by contract, so its output is cast back to compare like with like; the
+    0-dim dt times it stays in that dtype (a 0-dim tensor does not promote), the sum is float32, cast back."""
+    dtype = latents.dtype
+    return (latents.float() + dt * velocity.to(dtype)).to(dtype)

@@ -29,15 +29,22 @@ FAMILY_EXAMPLES = {"sd15": "quickstart", "sdxl": "sdxl_lora_tiny", "flux": "flux
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def example_process(family: str, tmp_path: Path, precision: str) -> dict:
-    """The family's example, shortened: 3 updates, a checkpoint at 2, samples at 0 and 2 (and the end), the validation
-    loss before, at 2 and after, an EMA, every file form, saved in the run's half precision."""
+def example_here(family: str, tmp_path: Path, precision: str) -> dict:
+    """The family's example process with its data found from here, its output in `tmp_path`, its base in
+    `precision`."""
     job = yaml.safe_load((EXAMPLES / f"{FAMILY_EXAMPLES[family]}.yaml").read_text())
     process = job["config"]["process"][0]
     for dataset in process["datasets"]:
         dataset["folder_path"] = str(REPO / dataset["folder_path"])
     process["training_folder"] = str(tmp_path / "output")
     process["model"]["dtype"] = precision
+    return process
+
+
+def example_process(family: str, tmp_path: Path, precision: str) -> dict:
+    """The family's example, shortened: 3 updates, a checkpoint at 2, samples at 0 and 2 (and the end), the validation
+    loss before, at 2 and after, an EMA, every file form, saved in the run's half precision."""
+    process = example_here(family, tmp_path, precision)
     process["model"].setdefault("low_vram", True)  # the DiT examples set it already (with their quantized base)
     process["train"].update(steps=3, dtype=precision, ema={"decay": 0.9})
     process["save"].update(save_every=2, dtype={"bf16": "bfloat16", "fp16": "float16"}[precision],
@@ -195,12 +202,7 @@ TRACKING = {"default": (0.0015, 0.005, 0.2), "wuerstchen": (0.02, 0.06, 0.8)}
 def tracking_process(family: str, tmp_path: Path, precision: str) -> dict:
     """The family's example for 20 updates in `precision` (fp32 or bf16 for both keys), no samples or checkpoints
     on the way."""
-    job = yaml.safe_load((EXAMPLES / f"{FAMILY_EXAMPLES[family]}.yaml").read_text())
-    process = job["config"]["process"][0]
-    for dataset in process["datasets"]:
-        dataset["folder_path"] = str(REPO / dataset["folder_path"])
-    process["training_folder"] = str(tmp_path / "output")
-    process["model"]["dtype"] = precision
+    process = example_here(family, tmp_path, precision)
     process["train"].update(steps=20, dtype=precision)
     process["save"].update(save_every=0)
     process["sample"] = {}

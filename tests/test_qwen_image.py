@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-from helpers import inline_job
+from helpers import euler_step, inline_job, pipeline_timestep
 
 from toolkit.config.loader import ConfigError, load_config
 from toolkit.diffusion.timesteps import shift_u
@@ -59,22 +59,6 @@ def pipeline(adapter: QwenImageAdapter) -> QwenImagePipeline:
 @pytest.fixture(scope="module")
 def pipe(adapter) -> QwenImagePipeline:
     return pipeline(adapter)
-
-
-def pipeline_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The timestep (1000 sigma) QwenImagePipeline's transformer is given at the scheduler's step t. The pipeline
-    rounds t to the model's dtype before dividing by 1000 (`t.to(latents.dtype) / 1000`): in bf16 that can land one
-    bf16 step away from predict's single rounding of t / 1000 (582.3: 0.5859375 against 0.58203125), so predict is
-    given the sigma the pipeline's transformer saw; in float32 the two are the same."""
-    return t if dtype == torch.float32 else (t.to(dtype) / 1000).float() * 1000
-
-
-def euler_step(latents: torch.Tensor, dt: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
-    """FlowMatchEulerDiscreteScheduler.step on the pipeline's latents (in the model's dtype) with the model output in
-    the model's dtype: predict returns float32 by contract, so its output is cast back to compare like with like; the
-    0-dim dt times it stays in that dtype (a 0-dim tensor does not promote), the sum is float32, cast back."""
-    dtype = latents.dtype
-    return (latents.float() + dt * velocity.to(dtype)).to(dtype)
 
 
 def test_template_and_sizes_are_the_pipelines(adapter, pipe):
