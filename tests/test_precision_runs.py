@@ -90,7 +90,10 @@ def test_each_family_trains_samples_validates_and_saves_in_half_precision(family
     assert trainer.precision.scales_loss == (precision == "fp16") == (trainer.accelerator.scaler is not None)
     denoiser_weights = [p for n, p in trainer.adapter.denoisers()[0].named_parameters() if "lora_" not in n]
     assert any(p.dtype == dtype for p in denoiser_weights)  # the frozen base (its quantized layers report it too)
-    assert all(p.dtype == torch.float32 for p in trainer.lora_params)
+    assert all(p.dtype == torch.float32 for p in trainer.lora_params)  # the trained weights, their state, the EMA
+    state = [t for s in trainer.optimizer.state.values() for k, t in s.items() if k != "step"]
+    assert state and all(t.dtype == torch.float32 for t in state)
+    assert all(t.dtype == torch.float32 for t in trainer.ema.average)
 
     records = read_metrics(run_dir / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]

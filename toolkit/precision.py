@@ -1,21 +1,21 @@
 """The one rule for the dtype of each thing in a run (docs/architecture.md, "Precision").
 
-- the frozen base (denoiser, encoders, VAE): `model.dtype` (`auto`: bf16 on CUDA, float32 elsewhere), quantized
-  where asked (quanto dequantizes to that dtype);
-- the trained weights (LoRA), their gradients and the optimizer's state: float32, always;
-- the denoiser's forward: under autocast in `train.dtype` (`auto`: bf16 on CUDA, none elsewhere) wherever it runs,
-  in training, in the validation loss and in samples, so a sample shows what training computes. Its outputs are
-  float32 in training (the loss is float32) and the base's dtype inside a sampling pipeline (what the pipeline's
-  scheduler and VAE expect of a denoiser of that dtype). Encoders run in the base's dtype without autocast, in
-  training, caching and sampling alike; the VAE decodes in its own dtype (the base's, or float32 where the
-  pipeline upcasts it);
-- fp16 training scales the loss with a GradScaler (accelerate's; on the CPU, where accelerate turns fp16 off
-  without a word, difftune gives accelerate torch's CPU autocast and GradScaler: `enable_cpu_fp16`);
-- caches: latents and text embeddings are stored as the encoder made them (the base's dtype) and handed to the
-  denoiser as such;
+- the frozen base (denoiser, encoders, VAE): `model.dtype`, quantized where asked (quanto dequantizes to it);
+- the trained weights (LoRA), their gradients, the optimizer's state and the EMA: float32, always;
+- the denoiser's forward: under autocast in `train.dtype` wherever it runs, in training, in the validation loss and
+  in samples, so a sample shows what training computes. Its outputs are float32 in training (the loss is float32)
+  and the base's dtype inside a sampling pipeline (what the pipeline's scheduler and VAE expect of a denoiser of
+  that dtype). Encoders run in the base's dtype without autocast, in training, caching and sampling alike; the VAE
+  decodes in its own dtype (the base's, or float32 where the pipeline upcasts it);
+- `auto`: float32 and no autocast on the CPU; on CUDA bf16, or the other key's half precision where it names one;
+- fp16 scales the loss with a GradScaler (accelerate's; on the CPU, where accelerate turns fp16 off without a word,
+  `toolkit.run.accelerator.enable_cpu_fp16` gives accelerate torch's CPU autocast and GradScaler);
+- caches: latents as the family's `latents_from_dist` makes them (float32), text embeddings as the text encoder
+  made them (the base's dtype);
 - files: `save.dtype` for the final LoRA files; checkpoints keep float32.
 
-Combinations that cannot run are refused at config time (`dtype_problems`), by key, before anything loads."""
+What cannot run together is refused at config time by key, before anything loads
+(`SDTrainerConfig._precision_problems` in toolkit/config/schema.py)."""
 
 from __future__ import annotations
 
