@@ -146,6 +146,20 @@ def test_a_half_precision_run_resumes_exactly(precision, tmp_path, tiny_sd15):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in FAMILY_EXAMPLES if f != "sd15"])
+def test_each_familys_example_resumes_exactly_in_bf16(family, tmp_path, tiny_cache):
+    """The other families' examples (their caches, quantized bases, low_vram, experts) in bf16 with an EMA and the
+    validation loss, stopped after 3 of 6 updates and run again: the same training, bit for bit."""
+    process = example_here(family, tmp_path, "bf16")
+    process["train"].update(steps=6, dtype="bf16", ema={"decay": 0.9})
+    process["save"].update(save_every=0)
+    process["sample"] = {}
+    process["validation"] = {"split": 0.25, "every": 2, "batch_size": 2}
+    straight, resumed = straight_and_resumed(tmp_path, process)
+    assert_same_training(straight, resumed)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("example", ["quickstart", "flux_lora_tiny"])
 def test_the_examples_render_a_step_zero_sample_in_bf16(example, tmp_path, tiny_cache):
     """These died at their first sample in bf16: the denoiser's float32 training outputs reached the bf16 VAE."""
