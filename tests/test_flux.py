@@ -14,7 +14,7 @@ from helpers import euler_step, inline_job, pipeline_timestep
 from toolkit.config.loader import ConfigError, load_config
 from toolkit.diffusion.timesteps import shift_u
 from toolkit.models.base import PromptEmbeds
-from toolkit.models.flux.adapter import FluxAdapter, flux_lora_targets
+from toolkit.models.flux.adapter import FluxAdapter, flux_lora_targets, is_flex
 from toolkit.models.registry import get_adapter_class, model_config
 
 CPU = torch.device("cpu")
@@ -229,6 +229,10 @@ def test_prompt_embeds_of_the_blank_prompt_stack_with_captions(dev):
     ("arch: flux, name_or_path: tiny, max_sequence_length: 600", "", "", "max_sequence_length"),
     ("arch: flux, name_or_path: tiny", ", zero_terminal_snr: true", "", "train.zero_terminal_snr: the flux family"),
     ("arch: flux, name_or_path: tiny", "", "neg: blurry", "sample.neg: FLUX.1 samples without classifier-free"),
+    ("arch: sd15, name_or_path: tiny", ", bypass_guidance_embedding: false",
+     "", "train.bypass_guidance_embedding: the sd15 family"),
+    ("arch: flux, name_or_path: tiny", ", bypass_guidance_embedding: true, guidance_scale: 3.5", "",
+     "train.guidance_scale: train.bypass_guidance_embedding leaves"),
 ])
 def test_config_refuses_what_flux_cannot_do(tmp_path, registry, model, train, sample, message):
     path = inline_job(tmp_path / "job.yaml", model, train, sample)
@@ -291,3 +295,83 @@ def test_a_single_files_variant_is_read_from_its_keys(tiny_cache, tmp_path, pres
     save_file({k: v.contiguous() for k, v in adapter.transformer.state_dict().items()}, str(path))
     assert has_guidance_weights(str(path)) is expected
     assert DEFAULT_COMPONENTS[expected].endswith("dev" if expected else "schnell")
+
+
+@pytest.fixture(scope="module")
+def flex(loaded) -> FluxAdapter:
+    return loaded("tiny-flex")
+
+
+def test_flex_is_told_apart_from_its_block_counts(dev, schnell, flex):
+    """Flex.1 (8 double- and 38 single-stream blocks, a guidance embedding) against FLUX.1's released configs (19
+    and 38, [schnell] without the embedding), and on the tiny presets: the bypass is Flex.1's default only."""
+    from types import SimpleNamespace as Config
+
+    assert is_flex(Config(guidance_embeds=True, num_layers=8, num_single_layers=38))
+    assert not is_flex(Config(guidance_embeds=True, num_layers=19, num_single_layers=38))
+    assert not is_flex(Config(guidance_embeds=False, num_layers=19, num_single_layers=38))
+    assert (flex.flex, flex.bypass_guidance, flex.describe()["variant"]) == (True, True, "flex.1")
+    assert (dev.flex, dev.bypass_guidance, dev.describe()["variant"]) == (False, False, "dev")
+    assert not schnell.flex and schnell.describe()["guidance_in_training"] == "none"
+
+
+def hand_prediction(transformer, packed, sigma, embeds, text_ids, image_ids) -> torch.Tensor:
+    """FluxTransformer2DModel's forward written out from its parts, with the conditioning made of the timestep and
+    pooled-text embeddings alone (what ai-toolkit's bypass_guidance_embedding computes)."""
+    embed = transformer.time_text_embed
+    timestep = sigma.to(packed.dtype) * 1000
+    temb = embed.timestep_embedder(embed.time_proj(timestep).to(embeds.pooled.dtype)) + embed.text_embedder(
+        embeds.pooled)
+    hidden = transformer.x_embedder(packed)
+    context = transformer.context_embedder(embeds.embeds)
+    rotary = transformer.pos_embed(torch.cat((text_ids, image_ids), dim=0))
+    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        context, hidden = block(hidden_states=hidden, encoder_hidden_states=context, temb=temb,
+                                image_rotary_emb=rotary)
+    return transformer.proj_out(transformer.norm_out(hidden, temb))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_bypassed_prediction_leaves_the_guidance_embedding_out(loaded, dtype):
+    """With the bypass, the prediction is the transformer's forward computed by hand with timestep + pooled-text
+    conditioning (bit for bit), differs from the [dev] path (the guidance embedded), and no training guidance value
+    moves it; the sampling pipeline, which passes a guidance, still embeds it."""
+    flex = loaded("tiny-flex", dtype)
+    noisy = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(3))
+    t = torch.tensor([600.0])
+    embeds = flex.encode_prompts(PROMPTS[:1])
+    bypassed = flex.predict(noisy, t, embeds)
+    with torch.no_grad():
+        packed = FluxPipeline._pack_latents(noisy.to(dtype), 1, 16, 4, 4)
+        text_ids = torch.zeros(embeds.embeds.shape[1], 3, dtype=dtype)
+        image_ids = FluxPipeline._prepare_latent_image_ids(1, 2, 2, "cpu", dtype)
+        by_hand = hand_prediction(flex.transformer, packed, t / 1000, PromptEmbeds(
+            embeds.embeds.to(dtype), pooled=embeds.pooled.to(dtype)), text_ids, image_ids)
+    assert torch.equal(bypassed, FluxPipeline._unpack_latents(by_hand, 32, 32, 8).float())
+    flex.train_guidance_scale = 4.0
+    try:
+        assert torch.equal(flex.predict(noisy, t, embeds), bypassed)
+        flex.set_guidance_bypass(False)
+        embedded = flex.predict(noisy, t, embeds)
+    finally:
+        flex.train_guidance_scale, flex.bypass_guidance = 1.0, True
+    assert not torch.allclose(embedded, bypassed, atol=1e-3)
+    pipe = pipeline(flex)
+    renders = [pipe(prompt=PROMPTS[0], num_inference_steps=1, guidance_scale=g, width=32, height=32,
+                    output_type="latent", generator=torch.Generator().manual_seed(0)).images for g in (1.0, 4.0)]
+    assert not torch.equal(*renders)
+
+
+def test_the_bypass_is_refused_where_it_cannot_apply(loaded, schnell):
+    """[schnell] has no guidance embedding to bypass; a Flex.1 base bypasses it by default, so a training guidance
+    value given with it would be unused: both are errors naming the key. Turning the bypass off feeds the value."""
+    with pytest.raises(ValueError, match="train.bypass_guidance_embedding: .* has no guidance embedding"):
+        schnell.use_training_guidance(None, True)
+    flex = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny-flex"), CPU, torch.float32)
+    with pytest.raises(ValueError, match="train.guidance_scale 2.0: .* Flex.1 base"):
+        flex.use_training_guidance(2.0, None)
+    flex.use_training_guidance(2.0, False)
+    assert not flex.bypass_guidance and flex.train_guidance_scale == 2.0
+    dev = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny"), CPU, torch.float32)
+    dev.use_training_guidance(None, True)
+    assert dev.bypass_guidance and dev.describe()["guidance_in_training"] == "bypassed"

@@ -49,8 +49,8 @@ def test_each_aitoolkit_fixture_imports_and_the_job_it_writes_loads(name, tmp_pa
     # every key of the source has a line in the table
     conversion = import_aitoolkit(read_raw(FIXTURES / name))
     sources = {row.source for row in conversion.rows}
-    for path in conversion_source_paths(name):
-        assert path in sources, path
+    for path in conversion_source_paths(name):  # a mapping's entries may have a row each instead
+        assert path in sources or any(source.startswith(path + ".") for source in sources), path
     assert "Check these" in printed
 
 
@@ -254,7 +254,7 @@ def test_the_migration_guide_shows_what_the_importer_does():
 
     page = (Path(__file__).parents[1] / "docs" / "migrating.md").read_text(encoding="utf-8")
     for block in (generated(), generated_kohya()):
-        assert block in page, "regenerate docs/migrating.md's tables: python -m toolkit.config.importers.docs"
+        assert block in page, "regenerate docs/migrating.md's tables: python -m toolkit.config.importers.docs --write"
 
 
 def minimal(**train) -> dict:

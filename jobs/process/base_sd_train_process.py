@@ -200,8 +200,7 @@ class BaseSDTrainProcess(BaseProcess):
                 debug_memory=cfg.logging.debug_memory, sampling_models=acc.is_main_process)
         if cfg.train.zero_terminal_snr:
             adapter.use_zero_terminal_snr()
-        if cfg.train.guidance_scale is not None:
-            adapter.train_guidance_scale = cfg.train.guidance_scale
+        adapter.use_training_guidance(cfg.train.guidance_scale, cfg.train.bypass_guidance_embedding)
         if cfg.train.gradient_checkpointing:
             adapter.trainable_module().enable_gradient_checkpointing()
         log.info("model: %s", adapter.describe())

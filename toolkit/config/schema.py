@@ -88,6 +88,12 @@ class SDTrainerConfig(Section):
         if self.train.guidance_scale is not None and not facts.guidance_embedding:
             problems.append(("train.guidance_scale", f"the {arch} family ({facts.title}) has no guidance embedding "
                              "to train with; remove it"))
+        if self.train.bypass_guidance_embedding is not None and not facts.guidance_embedding:
+            problems.append(("train.bypass_guidance_embedding", f"the {arch} family ({facts.title}) has no guidance "
+                             "embedding to bypass; remove it"))
+        elif self.train.bypass_guidance_embedding and self.train.guidance_scale is not None:
+            problems.append(("train.guidance_scale", "train.bypass_guidance_embedding leaves the guidance embedding "
+                             "out of training, so this value would not be used; remove one of them"))
         if self.sample.neg and not facts.negative_prompt:
             problems.append(("sample.neg", f"{facts.title} samples without classifier-free guidance, so a negative "
                              "prompt would not apply; remove it"))

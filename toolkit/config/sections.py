@@ -289,6 +289,11 @@ class ObjectiveSection(Section):
         None, ge=0, description="Guidance-distilled families (flux [dev]): the value the guidance embedding gets "
         "during training; default 1.0 (a model without one, e.g. [schnell], ignores it).",
         json_schema_extra=aka("guidance"))
+    bypass_guidance_embedding: bool | None = Field(
+        None, description="Guidance-distilled families (flux): train without the guidance embedding, the "
+        "conditioning being the timestep and pooled-text embeddings alone (ai-toolkit's bypass_guidance_embedding); "
+        "samples still feed it sample.guidance_scale. Default: on for a Flex.1 base (a FLUX.1 layout with fewer "
+        "than half as many double-stream as single-stream blocks), off for FLUX.1 [dev].")
     zero_terminal_snr: bool = Field(False, description="DDPM families (sd15, sdxl): rescale the betas so the last "
                                     "timestep is pure noise (zero terminal SNR), in training and in samples (trailing "
                                     "timesteps); what v-prediction fine-tunes are trained with.")

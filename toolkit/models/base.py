@@ -346,6 +346,12 @@ class ModelAdapter(ABC):
     #: (`train.guidance_scale`)
     train_guidance_scale: float = 1.0
 
+    def use_training_guidance(self, scale: float | None, bypass: bool | None) -> None:
+        """`train.guidance_scale` and `train.bypass_guidance_embedding` (None: the family's default); the config
+        refuses both for families without a guidance embedding, so only those families override this."""
+        if scale is not None:
+            self.train_guidance_scale = scale
+
     def text_grad(self) -> torch.autograd.grad_mode.set_grad_enabled:
         """The grad mode for encoding prompts: on only while text-encoder LoRAs train and the caller has grad on
         (caches, samples and blank prompts encode without a graph)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Rules, Source
+from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Rules, Source, general_key
 from toolkit.models.registry import config_class, family_facts
 
 #: the process types that train a LoRA the same way (the UI's type only adds its database hooks)
@@ -37,8 +37,8 @@ STATIC_SHIFT = {"zimage": 3.0, "wan21": 3.0, "wan22_5b": 5.0, "wan22_14b": 5.0}
 #: ai-toolkit archs imported as a family they derive from, and what differs
 VARIANTS = {"ssd": "SSD-1B, a distilled SDXL: difftune loads it as sdxl from its diffusers config",
             "vega": "Vega, a distilled SDXL: difftune loads it as sdxl from its diffusers config",
-            "flex1": "Flex.1 is imported as flux; ai-toolkit bypasses its guidance embedding in training "
-                     "(bypass_guidance_embedding), difftune feeds it train.guidance_scale"}
+            "flex1": "Flex.1 trains as flux with train.bypass_guidance_embedding, as in ai-toolkit (difftune tells a "
+                     "Flex.1 base from its transformer's block counts, and bypasses the embedding for it by default)"}
 #: ai-toolkit archs whose training scheduler stretches its shifted schedule to a terminal value
 TERMINAL_SHIFT = frozenset({"qwen_image"})
 #: ai-toolkit archs with two experts (`model_kwargs.train_high_noise` / `train_low_noise`)
@@ -61,8 +61,7 @@ UI_ONLY = {"sqlite_db_path": "UI-only (its job database)", "performance_log_ever
            "logging.project_name": "logging only", "logging.run_name": "logging only", "log_dir": "logging only",
            "save.push_to_hub": "upload, not training", "save.hf_repo_id": "upload, not training",
            "save.hf_private": "upload, not training", "save.save_format": "full-model folder format; LoRA files "
-           "are safetensors", "model.layer_offloading": "memory placement (difftune: model.low_vram)",
-           "model.compile": "see train.compile", "model.quantize_kwargs": "quantization details",
+           "are safetensors", "model.compile": "see train.compile", "model.quantize_kwargs": "quantization details",
            "network.lokr_full_rank": "only with network.type lokr", "network.lokr_factor": "only with lokr",
            "sample.sampler": "difftune samples with the family's own scheduler", "sample.format": "image format",
            "datasets[].controls": "control images (none here)", "datasets[].shrink_video_to_frames": "images only",
@@ -70,6 +69,16 @@ UI_ONLY = {"sqlite_db_path": "UI-only (its job database)", "performance_log_ever
            "datasets[].prefetch_factor": "loader performance", "train.xformers": "attention kernel (performance)",
            "train.sdp": "attention kernel (performance)", "train.attention_backend": "attention kernel (performance)"}
 
+
+#: ai-toolkit keys whose value means what difftune's default does (see Rules.same_as_difftune; checked against the
+#: schema by tests/test_importers.py)
+SAME_AS_DIFFTUNE: dict[str, tuple[Any, str, Any]] = {
+    "datasets[].default_caption": ("", "datasets[].default_caption", ""),
+    "datasets[].mask_path": (None, "datasets[].mask_path", None),
+    "sample.neg": ("", "sample.neg", ""),
+    "train.min_denoising_steps": (0, "train.timestep_range", [0.0, 1.0]),
+    "train.max_denoising_steps": (999, "train.timestep_range", [0.0, 1.0]),
+}
 
 #: ai-toolkit's defaults of keys without a difftune equivalent: such a key is worth a check only when it differs
 DEFAULTS: dict[str, Any] = {
@@ -137,6 +146,8 @@ def family_of(source: Source) -> tuple[str, str]:
 
 class AiToolkitJob(Rules):
     """One process's keys, section by section, into `out`."""
+
+    same_as_difftune = SAME_AS_DIFFTUNE
 
     def __init__(self, source: Source, out: Conversion, family: str, arch: str):
         super().__init__(source, out)
@@ -230,6 +241,18 @@ class AiToolkitJob(Rules):
             for key in ("quantize", "quantize_te", "qtype", "qtype_te"):
                 self.ignored(f"model.{key}")
         self.same("model.low_vram")
+        offloading = self.take("model.layer_offloading", False)
+        percents = [p for p in self.src.values if p.startswith("model.layer_offloading_")]
+        if self.src.has("model.layer_offloading"):
+            out.dropped("model.layer_offloading", "memory placement (difftune: model.low_vram)" if offloading else
+                        "off")
+        for path in percents:
+            self.take(path)
+            out.dropped(path, "ai-toolkit reads it only with model.layer_offloading" if not offloading else
+                        "memory placement (difftune: model.low_vram)")
+        if offloading:
+            out.check("model.layer_offloading: ai-toolkit streams that share of the weights from the CPU; difftune "
+                      "has no partial offload (model.low_vram keeps the frozen parts it can off the accelerator)")
         if self.src.has("model.vae_path"):
             if "vae_name_or_path" in self.model_keys:
                 self.same("model.vae_path", "model.vae_name_or_path")
@@ -269,12 +292,17 @@ class AiToolkitJob(Rules):
         if self.arch not in EXPERT_ARCHS:
             if high:
                 self.out.dropped("model.model_kwargs", "no options of this kind for this model in difftune")
+            elif self.src.has("model.model_kwargs"):
+                self.out.dropped("model.model_kwargs", "empty")
             if every is not MISSING:
                 self.out.dropped("train.switch_boundary_every", "ai-toolkit ignores it for this model")
             return
         experts = [name for key, name in (("train_high_noise", "high_noise"), ("train_low_noise", "low_noise"))
                    if high.get(key, True)]
-        self.out.mapped("model.model_kwargs", "model.experts", experts)
+        if self.src.has("model.model_kwargs"):
+            self.out.mapped("model.model_kwargs", "model.experts", experts)
+        else:
+            self.out.assumed("model.experts", experts, "ai-toolkit trains both experts unless model_kwargs says not")
         if every is not MISSING:
             self.out.mapped("train.switch_boundary_every", "model.expert_switch_every", int(every))
 
@@ -316,6 +344,8 @@ class AiToolkitJob(Rules):
             out.check(f"network.dropout {dropout}: ai-toolkit drops the LoRA's hidden units, difftune's dropout "
                       "drops its inputs; set network.dropout yourself if you want it")
         kwargs = self.take("network.network_kwargs", {}) or {}
+        if not kwargs and self.src.has("network.network_kwargs"):
+            out.dropped("network.network_kwargs", "empty")
         for key, value in kwargs.items():
             if key in ("ignore_if_contains", "only_if_contains", "rank_dropout", "module_dropout"):
                 if value:
@@ -333,6 +363,8 @@ class AiToolkitJob(Rules):
             out.mapped("train.train_text_encoder", "network.train_text_encoder", bool(text))
         if self.take("train.train_unet", True) is False:
             raise ImportRefused("train.train_unet: false (text-encoder-only training) has no difftune equivalent")
+        if self.src.has("train.train_unet"):
+            out.dropped("train.train_unet", "true: every difftune job trains the denoiser's LoRA")
         out.check("LoRA coverage: ai-toolkit adapts every linear layer of the model's blocks; difftune's default "
                   "targets are the attention projections (and MLPs for some families): set network.target_modules "
                   "to widen them (docs/networks.md)")
@@ -353,9 +385,8 @@ class AiToolkitJob(Rules):
         caption = self.take(f"{at}.default_caption")
         if caption not in (MISSING, None, ""):
             out.mapped(f"{at}.default_caption", f"{at}.default_caption", caption)
-        resolution = self.take(f"{at}.resolution", 512)
-        sizes = sorted({int(r) for r in (resolution if isinstance(resolution, list) else [resolution])})
-        out.mapped(f"{at}.resolution", f"{at}.resolution", sizes)
+        sizes = self.value_or_default(f"{at}.resolution", f"{at}.resolution", 512, lambda r: sorted(
+            {int(x) for x in (r if isinstance(r, list) else [r])}))
         if len(sizes) > 1:
             out.check(f"{at}.resolution {sizes}: ai-toolkit trains every image at every size (upscaling small "
                       "ones); difftune skips the sizes larger than an image (but always the smallest)")
@@ -646,10 +677,6 @@ class AiToolkitJob(Rules):
             if self.src.values.get("train.timestep_type", "sigmoid") not in ("linear",) and self.flow:
                 out.check("train.min/max_denoising_steps: ai-toolkit takes them as indices into its (non-uniform) "
                           "timestep table; difftune's timestep_range is a range of u, the same only for uniform draws")
-        else:
-            for key in ("min_denoising_steps", "max_denoising_steps"):
-                if self.src.has(f"train.{key}"):
-                    out.dropped(f"train.{key}", "the whole range, as in difftune")
         gamma = self.take("train.min_snr_gamma")
         if gamma not in (MISSING, None):
             if self.facts.ddpm_noise:
@@ -678,6 +705,8 @@ class AiToolkitJob(Rules):
             out.dropped("train.diff_output_preservation", "no difftune equivalent")
             out.check("train.diff_output_preservation: difftune has no class-word preservation (its "
                       "blank_prompt_preservation keeps the blank prompt's prediction, which is another thing)")
+        elif self.src.has("train.diff_output_preservation"):
+            out.dropped("train.diff_output_preservation", "off")
         for key in ("diff_output_preservation_multiplier", "diff_output_preservation_class"):
             on = self.src.values.get("train.diff_output_preservation")
             self.ignored(f"train.{key}", "with diff_output_preservation, dropped" if on else
@@ -687,21 +716,34 @@ class AiToolkitJob(Rules):
                        float(self.take("train.differential_guidance_scale", 3.0)))
         else:
             self.ignored("train.differential_guidance_scale", "only with do_differential_guidance")
-        cfg = self.take("train.cfg_scale")
-        if cfg is not MISSING and self.facts.guidance_embedding:
-            out.mapped("train.cfg_scale", "train.guidance_scale", float(cfg))
-        elif cfg is not MISSING:
-            out.dropped("train.cfg_scale", "ai-toolkit ignores it for this model")
-        bypass = self.take("train.bypass_guidance_embedding", False)
-        if bypass and self.facts.guidance_embedding:
-            out.check("train.bypass_guidance_embedding: ai-toolkit skipped FLUX's guidance embedding in training; "
-                      "difftune feeds it train.guidance_scale")
-        elif self.src.has("train.bypass_guidance_embedding"):
-            out.dropped("train.bypass_guidance_embedding", "inert here (a UI default)")
+        self.guidance()
         reg = self.take("train.reg_weight", 1.0)
         if reg != 1.0:
             out.dropped("train.reg_weight", "no difftune equivalent")
             out.check(f"train.reg_weight {reg}: difftune weights regularisation images like the others")
+
+    def guidance(self) -> None:
+        """FLUX.1's training guidance: ai-toolkit feeds `cfg_scale` to the guidance embedding, or leaves the embedding
+        out with `bypass_guidance_embedding` (Flex.1's setting). Written out either way: difftune's default bypass
+        follows the base (on for Flex.1), ai-toolkit's is off whatever the base."""
+        out = self.out
+        cfg = self.take("train.cfg_scale")
+        if not self.facts.guidance_embedding:
+            if cfg is not MISSING:
+                out.dropped("train.cfg_scale", "ai-toolkit ignores it for this model")
+            self.ignored("train.bypass_guidance_embedding", "ai-toolkit ignores it for this model (no guidance "
+                                                            "embedding)")
+            return
+        bypass = self.value_or_default("train.bypass_guidance_embedding", "train.bypass_guidance_embedding", False,
+                                       bool)
+        if bypass and cfg is not MISSING:
+            out.dropped("train.cfg_scale", "unused: the guidance embedding is bypassed in training")
+        elif cfg is not MISSING:
+            out.mapped("train.cfg_scale", "train.guidance_scale", float(cfg))
+        name = str(self.src.values.get("model.name_or_path", ""))
+        if "flex" in name.lower() and not self.arch.startswith("flex"):  # is_flux with a Flex.1 checkpoint
+            out.check(f"model.name_or_path {name!r} looks like Flex.1: difftune tells it from the transformer's block "
+                      "counts and logs `variant: flex.1` when the model loads")
 
     def save(self) -> None:
         self.same("save.dtype", convert=lambda v: {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(
@@ -719,6 +761,8 @@ class AiToolkitJob(Rules):
         prompts = [str(p) for p in self.take("sample.prompts", []) or []]
         items = self.take("sample.samples", []) or []
         prompts += [str(item.get("prompt", "")) for item in items if isinstance(item, dict)]
+        if self.src.has("train.disable_sampling") and not disabled:
+            out.dropped("train.disable_sampling", "false: the sample keys are imported")
         if disabled:
             out.rows.append(Row("train.disable_sampling", "-> no sample.prompts"))
             for path in self.src.under("sample"):
@@ -758,10 +802,11 @@ class AiToolkitJob(Rules):
         rescale = self.take("sample.guidance_rescale", 0.0)
         if rescale and self.facts.guidance_rescale:
             out.mapped("sample.guidance_rescale", "sample.guidance_rescale", float(rescale))
-        for key in ("num_frames", "fps"):
-            if self.facts.video:
-                self.same(f"sample.{key}", convert=int if key == "num_frames" else float)
-            else:
+        if self.facts.video:
+            self.sample_frames()
+            self.same("sample.fps", convert=float)
+        else:
+            for key in ("num_frames", "fps"):
                 self.ignored(f"sample.{key}", "this model renders images")
         at_start = not (self.take("train.skip_first_sample", False) or False)
         out.put("sample.sample_at_start", at_start)
@@ -769,6 +814,18 @@ class AiToolkitJob(Rules):
         out.rows.append(Row(said, f"-> sample.sample_at_start = {at_start}"
                             + ("" if self.src.has("train.skip_first_sample") else "  (ai-toolkit samples before "
                                                                                    "training unless told not to)")))
+
+    def sample_frames(self) -> None:
+        """ai-toolkit hands sample.num_frames to the diffusers pipeline, which renders the 4k + 1 frames at or below
+        it (WanPipeline: num_frames // 4 * 4 + 1, with a warning); the import writes what it renders."""
+        frames = self.take("sample.num_frames")
+        if frames is MISSING:
+            return
+        step = self.facts.frame_step
+        rendered = int(frames) if (int(frames) - 1) % step == 0 else int(frames) // step * step + 1
+        self.out.mapped("sample.num_frames", "sample.num_frames", rendered,
+                        "" if rendered == int(frames) else f"ai-toolkit asks for {frames}; the pipeline renders "
+                        f"{rendered} ({step}k + 1 frames)")
 
     def logging(self) -> None:
         every = self.take("logging.log_every")
@@ -780,7 +837,7 @@ class AiToolkitJob(Rules):
         of its own: said to need nothing written."""
         self.read_without_rows()
         for path in self.src.unread():
-            general = path.split("]", 1)[0].split("[")[0] + "[]" + path.split("]", 1)[1] if "[" in path else path
+            general = general_key(path)
             reason = UI_ONLY.get(general) or UI_ONLY.get(path)
             value = self.src.values[path]
             if reason is None:
@@ -789,6 +846,6 @@ class AiToolkitJob(Rules):
                 if value != default and value not in ([], {}) and not (default is None and value in (False, 0, "")):
                     self.out.check(f"{path} = {value!r}: no difftune equivalent; it is dropped")
                 elif general in DEFAULTS:
-                    reason = "ai-toolkit's default, which difftune does anyway"
+                    reason = "ai-toolkit's default for a key difftune does not have"
             self.out.dropped(path, reason)
 

@@ -21,10 +21,16 @@ class ImportRefused(UserError, ValueError):
 @dataclass(frozen=True)
 class Row:
     """One line of the import table: a source key (or `(default)` for a value the source trainer assumes) and what
-    it became: `-> difftune.key = value`, or `dropped: reason`."""
+    it became: `-> difftune.key = value`, or `dropped: reason`. `kind` says what the row claims, for the tests that
+    hold each claim to the written job: `mapped` (`target` was written as `value`), `same` (difftune's default at
+    `target` means what the source value means: only keys of the importer's SAME_AS_DIFFTUNE table), `dropped`,
+    `unhandled` (read by no rule: an importer gap, reported as dropped), or "" (a note)."""
 
     source: str
     outcome: str
+    kind: str = ""
+    target: str | None = None
+    value: Any = None
 
 
 def flatten(value: Any, prefix: str = "", leaves: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -96,18 +102,41 @@ class Conversion:
         last = parts[-1]
         node[int(last[1:-1]) if last.startswith("[") else last] = value
 
+    def get(self, target: str) -> Any:
+        """The value written at `target` (MISSING where nothing is)."""
+        node: Any = self.process
+        for part in re.findall(r"\[\d+\]|[^.\[\]]+", target):
+            index = int(part[1:-1]) if part.startswith("[") else part
+            try:
+                node = node[index]
+            except (KeyError, IndexError, TypeError):
+                return MISSING
+        return node
+
     def mapped(self, source: str, target: str, value: Any, note: str = "") -> None:
         self.put(target, value)
-        self.rows.append(Row(source, f"-> {target} = {show(value)}" + (f"  ({note})" if note else "")))
+        self.wrote(source, target, note)
+
+    def wrote(self, source: str, target: str, note: str = "") -> None:
+        """The row of a value already put at `target` (one source key setting several targets, or one target
+        from several keys)."""
+        value = self.get(target)
+        self.rows.append(Row(source, f"-> {target} = {show(value)}" + (f"  ({note})" if note else ""), "mapped",
+                             target, value))
 
     def assumed(self, target: str, value: Any, why: str) -> None:
         """A value the source trainer assumes where its file says nothing, written out because difftune's default
         differs."""
         self.put(target, value)
-        self.rows.append(Row("(default)", f"-> {target} = {show(value)}  ({why})"))
+        self.rows.append(Row("(default)", f"-> {target} = {show(value)}  ({why})", "mapped", target, value))
 
     def dropped(self, source: str, reason: str) -> None:
-        self.rows.append(Row(source, f"dropped: {reason}"))
+        self.rows.append(Row(source, f"dropped: {reason}", "dropped"))
+
+    def same(self, source: str, target: str, value: Any) -> None:
+        """Nothing to write: difftune's default at `target` (`value`) means what the source's value means."""
+        self.rows.append(Row(source, f"-> nothing to write: difftune's {target} is {show(value)} by default too",
+                             "same", target, value))
 
     def check(self, text: str) -> None:
         if text not in self.checks:
@@ -151,11 +180,30 @@ class Rules:
             self.out.assumed(target, value, f"{self.out.trainer}'s default for {key}")
         return value
 
+    #: source keys (a dataset's as `datasets[].key`) whose value means what difftune's default does: key ->
+    #: (the source value, difftune's key, its default there). Only these rows say "nothing to write";
+    #: tests/test_importers.py checks every entry against difftune's schema.
+    same_as_difftune: dict[str, tuple[Any, str, Any]] = {}
+
     def read_without_rows(self) -> None:
-        """A row for every key a rule read without writing one: nothing to write (keys whose entries have rows of
-        their own, `network_args conv_dim`, are covered by those)."""
+        """A row for every key a rule read without writing one (keys whose entries have rows of their own,
+        `network_args conv_dim`, `network_kwargs.x`, are covered by those): "nothing to write" where the
+        same_as_difftune table says difftune's default means the same, otherwise dropped, with a check (no rule
+        handled it: an importer gap, which the tests look for)."""
         named = {row.source for row in self.out.rows}
         for key in sorted(self.src.read - named):
-            if not any(source.startswith(key + " ") for source in named):
-                self.out.rows.append(Row(key, f"-> nothing to write: {self.src.values[key]!r} is difftune's "
-                                              "behaviour too"))
+            if any(source.startswith((key + " ", key + ".")) for source in named):
+                continue
+            value = self.src.values[key]
+            entry = self.same_as_difftune.get(general_key(key))
+            if entry is not None and entry[0] == value and type(entry[0]) is type(value):
+                index = key.split("]")[0] + "]" if key.startswith("datasets[") else ""
+                self.out.same(key, entry[1].replace("datasets[]", index), entry[2])
+            else:
+                self.out.rows.append(Row(key, "dropped: no difftune equivalent", "unhandled"))
+                self.out.check(f"{key} = {value!r}: no difftune equivalent; it is dropped")
+
+
+def general_key(path: str) -> str:
+    """`datasets[2].folder_path` -> `datasets[].folder_path` (a key of every dataset)."""
+    return re.sub(r"\[\d+\]", "[]", path, count=1) if path.startswith("datasets[") else path

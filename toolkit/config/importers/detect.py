@@ -14,6 +14,24 @@ AITOOLKIT_PROCESS_TYPES = frozenset({
     "ultimate_slider_trainer", "image_reference_slider_trainer", "concept_replacer", "extract", "generate", "mod",
 })
 
+#: ai-toolkit jobs that train no LoRA (its top-level `job:`), with what each does and what in difftune covers some
+#: of it; `train` is also difftune's, so only its legacy process types tell (ai-toolkit's toolkit/job.py,
+#: jobs/*Job.py at 27a03a9)
+AITOOLKIT_OTHER_JOBS = {
+    "extract": ("extracts the difference between two checkpoints as LoRA / LoCon files (no training)",
+                "difftune has no extraction command: it trains LoRAs from images (python run.py JOB.yaml)"),
+    "mod": ("rescales a LoRA file's weights (rescale_lora)",
+            "difftune does not rescale a LoRA; `python run.py --convert-lora IN OUT --to comfy|diffusers|peft` "
+            "rewrites an adapter file in another tool's form with its deltas unchanged"),
+    "generate": ("renders prompts with a model into a folder",
+                 "difftune renders prompts while it trains (sample.prompts, sample.sample_every)"),
+    "train": ("runs one of ai-toolkit's legacy trainers (slider, VAE, ESRGAN, rescale_sd)",
+              "difftune trains LoRAs of diffusion models; it has none of these trainers"),
+}
+#: process types of ai-toolkit's legacy `job: train` (jobs/TrainJob.py)
+AITOOLKIT_LEGACY_TRAINERS = frozenset({"vae", "slider", "slider_old", "rescale_sd", "esrgan", "lora_hack",
+                                       "reference"})
+
 #: keys only ai-toolkit has, by section of a process (none is a typo of a difftune key or another trainer's name
 #: for one: tests/test_importers.py checks that)
 AITOOLKIT_KEYS: dict[str, frozenset[str]] = {
@@ -23,7 +41,7 @@ AITOOLKIT_KEYS: dict[str, frozenset[str]] = {
                         "te_name_or_path", "model_kwargs", "layer_offloading", "vae_path"}),
     "network": frozenset({"lokr_full_rank", "lokr_factor", "network_kwargs", "transformer_only"}),
     "train": frozenset({"noise_scheduler", "train_unet", "ema_config", "linear_timesteps", "linear_timesteps2",
-                        "skip_first_sample", "force_first_sample", "disable_sampling", "bypass_guidance_embedding",
+                        "skip_first_sample", "force_first_sample", "disable_sampling",
                         "diff_output_preservation", "unload_text_encoder", "switch_boundary_every",
                         "do_differential_guidance", "cfg_scale", "validation_config", "min_denoising_steps",
                         "max_denoising_steps"}),
@@ -50,14 +68,20 @@ class Foreign:
 
     trainer: str
     evidence: tuple[str, ...]
+    #: an ai-toolkit job of another kind than LoRA training (a key of AITOOLKIT_OTHER_JOBS)
+    job_kind: str | None = None
 
     @property
     def importable(self) -> bool:
-        return self.trainer in IMPORTED
+        return self.trainer in IMPORTED and self.job_kind is None
 
     def message(self, path: str) -> str:
         shown = ", ".join(f"`{key}`" for key in self.evidence[:3])
         article = "an" if self.trainer[0] in "aeiou" else "a"
+        if self.job_kind is not None:
+            does, covered = AITOOLKIT_OTHER_JOBS[self.job_kind]
+            return (f"{path} is an ai-toolkit `job: {self.job_kind}` file ({shown}), not a training job: it {does}. "
+                    f"Nothing to import; {covered}")
         if not self.importable:
             return (f"{path} is {article} {self.trainer} file ({shown}), not a difftune job, and difftune does not "
                     "import these: write the job from its keys (docs/config.md)")
@@ -98,10 +122,15 @@ def detect(data: dict[str, Any], own_types: frozenset[str] = frozenset({"sd_trai
 
 
 def _aitoolkit(data: dict[str, Any], own_types: frozenset[str]) -> Foreign | None:
-    """A process type or arch of ai-toolkit's alone tells; its other keys only two or more together (one stray
-    key in a difftune job gets the schema's own message)."""
+    """A job kind, process type or arch of ai-toolkit's alone tells; its other keys only two or more together (one
+    stray key in a difftune job gets the schema's own message)."""
     config = data.get("config")
     processes = config.get("process") if isinstance(config, dict) else None
+    kind = data.get("job")
+    if isinstance(config, dict) and kind in AITOOLKIT_OTHER_JOBS:
+        types = sorted({str(p.get("type")) for p in processes or [] if isinstance(p, dict)})
+        if kind != "train" or AITOOLKIT_LEGACY_TRAINERS & set(types):
+            return Foreign("ai-toolkit job", (f"job: {kind}", *(f"process type: {t}" for t in types)), kind)
     if not isinstance(processes, list):
         return None
     strong: list[str] = []

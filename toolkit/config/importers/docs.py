@@ -1,7 +1,7 @@
 """The key tables of docs/migrating.md, made by the importer itself: an ai-toolkit job holding every key the importer
 has a rule for is imported for an SD UNet and for a flow-matching transformer, and each row it prints becomes a table
-row (`python -m toolkit.config.importers.docs` prints the generated part; tests/test_importers.py keeps the page
-equal to it)."""
+row (`python -m toolkit.config.importers.docs` prints the generated part, `--write` puts it into the page;
+tests/test_importers.py keeps the page equal to it)."""
 
 from __future__ import annotations
 
@@ -146,7 +146,23 @@ def generated_kohya() -> str:
     return "\n".join(lines + [KOHYA_END])
 
 
+def write_page(path: str = "docs/migrating.md") -> None:
+    """Replace the generated parts of docs/migrating.md in place (`--write`)."""
+    from pathlib import Path
+
+    page = Path(path).read_text(encoding="utf-8")
+    for begin, end, block in ((BEGIN, END, generated()), (KOHYA_BEGIN, KOHYA_END, generated_kohya())):
+        start, stop = page.index(begin), page.index(end) + len(end)
+        page = page[:start] + block + page[stop:]
+    Path(path).write_text(page, encoding="utf-8")
+
+
 if __name__ == "__main__":
-    print(generated())
-    print()
-    print(generated_kohya())
+    import sys
+
+    if "--write" in sys.argv:
+        write_page()
+    else:
+        print(generated())
+        print()
+        print(generated_kohya())

@@ -30,6 +30,8 @@ def convert(path: Path, family: str | None = None) -> Conversion:
         return conversion
     if found is None:
         raise ImportRefused(f"{path}: no other trainer's job found in it")
+    if found.job_kind is not None:  # an ai-toolkit job that trains nothing
+        raise ImportRefused(found.message(str(path)))
     if found.trainer == "ai-toolkit job":
         return import_aitoolkit(data, name=path.stem)
     if found.trainer == "kohya sd-scripts configuration":

@@ -8,6 +8,10 @@ Conventions, as FluxPipeline.__call__ applies them:
   step integrates: x_next = x + (sigma_next - sigma) v;
 - [dev] is guidance-distilled: its guidance embedding takes the guidance scale (no classifier-free guidance);
   [schnell] has no guidance embedding.
+
+Flex.1 is a FLUX.1-layout base pruned to 8 double-stream blocks (FLUX.1 has 19, and twice as many single-stream
+ones) whose guidance embedding is an optional add-on: it is trained without that embedding
+(`train.bypass_guidance_embedding`, on by default for it), and samples with it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.models.embeddings import CombinedTimestepGuidanceTextProjEmbeddings
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
 from toolkit.device import memory_debug, to_device
@@ -41,7 +46,7 @@ from toolkit.models.common import (
     vae_latents,
 )
 from toolkit.models.flux.config import FACTS, FluxModelConfig
-from toolkit.models.flux.tiny import ensure_tiny_flux, ensure_tiny_flux_schnell
+from toolkit.models.flux.tiny import ensure_tiny_flex, ensure_tiny_flux, ensure_tiny_flux_schnell
 from toolkit.network.files import key_names
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
@@ -52,7 +57,8 @@ from toolkit.quantize import quantize_blockwise
 DEFAULT_COMPONENTS = {True: "black-forest-labs/FLUX.1-dev", False: "black-forest-labs/FLUX.1-schnell"}
 
 #: `name_or_path` values that build a tiny random model offline
-TINY_SOURCES: dict[str, Callable[[], Path]] = {"tiny": ensure_tiny_flux, "tiny-schnell": ensure_tiny_flux_schnell}
+TINY_SOURCES: dict[str, Callable[[], Path]] = {"tiny": ensure_tiny_flux, "tiny-schnell": ensure_tiny_flux_schnell,
+                                                "tiny-flex": ensure_tiny_flex}
 
 #: FluxPipeline's documented T5 lengths: [dev] 512, [schnell] 256
 MAX_SEQUENCE_LENGTH = {True: 512, False: 256}
@@ -163,6 +169,11 @@ class FluxAdapter(ModelAdapter):
         self._denoiser: torch.nn.Module = transformer
         #: image position ids per (latent height, width, device, dtype): built on the host once, not every step
         self._image_ids: dict[tuple, torch.Tensor] = {}
+        #: a Flex.1 base (told apart by its block counts)
+        self.flex = is_flex(transformer.config)
+        #: training leaves the guidance embedding out (`train.bypass_guidance_embedding`; Flex.1's default)
+        self.bypass_guidance = False
+        self.set_guidance_bypass(self.flex)
         if not self.guidance_embeds:
             self.files = dataclasses.replace(self.files, modelspec_architecture="flux-1-schnell/lora")
 
@@ -300,8 +311,8 @@ class FluxAdapter(ModelAdapter):
         packed = FluxPipeline._pack_latents(noisy.to(dtype), batch, channels, height, width)
         image_ids = self.image_ids(height, width, device, dtype)
         text_ids = torch.zeros(embeds.embeds.shape[1], 3, device=device, dtype=dtype)
-        guidance = None
-        if self.guidance_embeds:
+        guidance = None  # [schnell], or the embedding bypassed: the transformer embeds timestep and text alone
+        if self.guidance_embeds and not self.bypass_guidance:
             guidance = torch.full([batch], self.train_guidance_scale, device=device, dtype=torch.float32)
         sigma = timesteps.float() / self.noise_schedule.num_train_timesteps
         out = denoiser(hidden_states=packed, timestep=sigma.to(device, dtype), guidance=guidance,
@@ -319,6 +330,25 @@ class FluxAdapter(ModelAdapter):
             self._image_ids[key] = to_device(ids, device)
         return self._image_ids[key]
 
+    def use_training_guidance(self, scale: float | None, bypass: bool | None) -> None:
+        """The guidance embedding's training value, or its bypass (by default on for Flex.1 only); a bypass is
+        refused for a base without the embedding, and a training value together with the bypass."""
+        super().use_training_guidance(scale, bypass)
+        bypass = self.flex if bypass is None else bypass
+        if bypass and not self.guidance_embeds:
+            raise ValueError(f"train.bypass_guidance_embedding: {self.source} has no guidance embedding (a FLUX.1 "
+                             "[schnell] layout); remove it")
+        if bypass and scale is not None:
+            raise ValueError(f"train.guidance_scale {scale}: {self.source} is a Flex.1 base, trained without its "
+                             "guidance embedding (train.bypass_guidance_embedding is on by default for it), so the "
+                             "value would not be used; remove it, or set train.bypass_guidance_embedding: false")
+        self.set_guidance_bypass(bypass)
+
+    def set_guidance_bypass(self, bypass: bool) -> None:
+        if bypass:
+            bypass_guidance_embedding(self.transformer)
+        self.bypass_guidance = bypass
+
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer
 
@@ -330,7 +360,9 @@ class FluxAdapter(ModelAdapter):
 
     def describe(self) -> dict[str, str]:
         return {"arch": self.arch, "base_model": self.source, "prediction_type": self.noise_schedule.prediction_type,
-                "variant": "dev" if self.guidance_embeds else "schnell"}
+                "variant": "flex.1" if self.flex else "dev" if self.guidance_embeds else "schnell",
+                "guidance_in_training": "bypassed" if self.bypass_guidance else
+                ("embedded" if self.guidance_embeds else "none")}
 
 
 def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
@@ -348,3 +380,33 @@ def has_guidance_weights(path: str) -> bool:
     if not Path(path).is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     return any("guidance_in." in key or "guidance_embedder." in key for key in key_names(Path(path)))
+
+
+def is_flex(config) -> bool:
+    """Flex.1 from a FLUX.1-layout transformer's config: a guidance embedding and fewer than half as many
+    double-stream as single-stream blocks (Flex.1: 8 and 38; FLUX.1 [dev] and [schnell]: 19 and 38)."""
+    return bool(config.guidance_embeds) and 2 * config.num_layers < config.num_single_layers
+
+
+class GuidanceBypassEmbeddings(CombinedTimestepGuidanceTextProjEmbeddings):
+    """FLUX.1's timestep + guidance + pooled-text embedding that also runs without the guidance: called as
+    `(timestep, pooled)`, which is how FluxTransformer2DModel calls it when `guidance` is None, it returns the
+    timestep and pooled-text terms alone (ai-toolkit's `bypass_guidance_embedding`); called with a guidance (the
+    sampling pipeline) it is the original. Written here because diffusers' transformer has no way to leave out the
+    guidance term of a guidance-distilled model; the weights and their names are the original module's."""
+
+    def forward(self, timestep, guidance, pooled_projection=None):
+        if pooled_projection is not None:
+            return super().forward(timestep, guidance, pooled_projection)
+        pooled_projection = guidance
+        timesteps_emb = self.timestep_embedder(self.time_proj(timestep).to(dtype=pooled_projection.dtype))
+        return timesteps_emb + self.text_embedder(pooled_projection)
+
+
+def bypass_guidance_embedding(transformer: FluxTransformer2DModel) -> None:
+    """Let `transformer` run without its guidance embedding when `guidance=None` is passed (see
+    GuidanceBypassEmbeddings); it keeps its parameters (the class of its embedding module changes)."""
+    embedding = transformer.time_text_embed
+    if not isinstance(embedding, CombinedTimestepGuidanceTextProjEmbeddings):
+        raise ValueError("the transformer has no guidance embedding to bypass")
+    embedding.__class__ = GuidanceBypassEmbeddings

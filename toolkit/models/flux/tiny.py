@@ -1,5 +1,6 @@
 """Tiny random FLUX.1 presets, built offline and saved as normal diffusers FluxPipeline folders: [dev] (guidance
-embedding, dynamic shift) and [schnell] (no guidance embedding, fixed shift, as the released configs have them).
+embedding, dynamic shift), [schnell] (no guidance embedding, fixed shift, as the released configs have them) and
+Flex.1's shape (fewer double-stream blocks).
 
 Every part is the real class with small dimensions: FluxTransformer2DModel over 2x2-packed 16-channel latents,
 a CLIP text model (its pooled output is the transformer's pooled projection input), a T5 encoder with a small
@@ -51,6 +52,9 @@ TINY_FLUX_SCHNELL = {
     "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
 }
 
+#: Flex.1's shape: a guidance embedding and fewer than half as many double- as single-stream blocks (8 and 38)
+TINY_FLEX = {**TINY_FLUX_DEV, "transformer": {**TINY_FLUX_DEV["transformer"], "num_single_layers": 3}}
+
 
 def _seeded(seed: int, build):
     with torch.random.fork_rng(devices=[]):
@@ -89,3 +93,8 @@ def ensure_tiny_flux(preset: dict = TINY_FLUX_DEV) -> Path:
 def ensure_tiny_flux_schnell(preset: dict = TINY_FLUX_SCHNELL) -> Path:
     """The folder of the tiny FLUX.1 [schnell] model, built on first use."""
     return ensure_tiny("flux-schnell", preset, build_flux)
+
+
+def ensure_tiny_flex(preset: dict = TINY_FLEX) -> Path:
+    """The folder of the tiny Flex.1-shaped model, built on first use."""
+    return ensure_tiny("flex", preset, build_flux)
