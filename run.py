@@ -112,7 +112,7 @@ def import_config(args: argparse.Namespace) -> int:
     each key became, and the keys to check; the written job is checked against the schema before it is kept."""
     from jobs.registry import build_registry
     from toolkit.config.importers.importer import convert, default_output, output_problem, write_job
-    from toolkit.config.loader import validate_job
+    from toolkit.config.loader import ConfigError, validate_job
     from toolkit.errors import UserError
 
     source = Path(args.import_config)
@@ -125,8 +125,13 @@ def import_config(args: argparse.Namespace) -> int:
             raise UserError(problem)
         conversion = convert(source, args.family)
         print(conversion.table())
-        # checked before anything is written: a job difftune would refuse is not left behind
-        validate_job(conversion.job, out, build_registry(ROOT / "extensions"))
+        # checked before anything is written: a job difftune would refuse is not left behind, and the refusal is
+        # told in the source file's keys
+        try:
+            validate_job(conversion.job, out, build_registry(ROOT / "extensions"))
+        except ConfigError as err:
+            lines = str(err).splitlines()
+            raise UserError(conversion.refusal(source, lines[1:] or lines)) from err
         write_job(conversion, out)
     except UserError as err:
         report_user_error(err, args)

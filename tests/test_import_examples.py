@@ -200,3 +200,173 @@ def test_the_imported_flex_example_trains_with_the_embedding_bypassed(tmp_path, 
     folder = tmp_path / "output" / job["config"]["name"]
     assert [r["step"] for r in read_metrics(folder / "metrics.jsonl") if "loss" in r] == [1, 2]
     assert list((folder / "samples").glob("*.png"))
+
+
+# ---- kohya sd-scripts ----------------------------------------------------------------------------------------
+
+#: kohya configurations that import (the SDXL one trains the text encoder with cached outputs, which kohya refuses)
+KOHYA_JOBS = ["kohya_sd15_lora.toml", "kohya_sd15_dataset_full.toml", "kohya_flux.toml", "kohya_sd15_folders.toml"]
+
+
+def kohya_fixture(name: str, folder: Path) -> Path:
+    """The fixture at `name`, copied into `folder` with what it names (its dataset config, the <repeats>_<name>
+    folders of the folder style), so paths resolve as kohya resolves them."""
+    import shutil
+
+    from toolkit.config.importers.kohya import flat_arguments
+
+    path = folder / name
+    shutil.copy(FIXTURES / name, path)
+    data = flat_arguments(read_raw(path))
+    if data.get("dataset_config"):
+        shutil.copy(FIXTURES / data["dataset_config"], folder / data["dataset_config"])
+    if data.get("train_data_dir"):
+        (folder / data["train_data_dir"] / "10_shp shape").mkdir(parents=True)
+        (folder / data["reg_data_dir"] / "1_shape").mkdir(parents=True)
+    return path
+
+
+@pytest.mark.parametrize("name", KOHYA_JOBS)
+def test_every_row_of_a_kohya_import_is_backed(name, tmp_path):
+    """As for ai-toolkit: a mapped row's value is in the written job, each mapped argument changes the job when it is
+    removed (or kohya's default for it is written in its place, the same), no argument or dataset-config key is left
+    without a row, and the job loads."""
+    from toolkit.config.importers.kohya import flat_arguments, import_kohya
+
+    path = kohya_fixture(name, tmp_path)
+    conversion = convert(path)
+    process_of(conversion)
+    data = flat_arguments(read_raw(path))  # kohya reads its tables as one namespace
+    for row in conversion.rows:
+        assert row.kind not in ("unhandled", "same"), f"{name}: {row.source}: {row.outcome}"
+        if row.kind == "mapped":
+            assert conversion.get(row.target) == row.value, (name, row)
+        if row.kind == "mapped" and row.source in data:
+            stripped = {k: v for k, v in data.items() if k != row.source}
+            try:
+                other = import_kohya(stripped, path)
+            except ImportRefused:
+                continue
+            assert other.job != conversion.job or any(
+                r.source == "(default)" and r.target == row.target and r.value == row.value for r in other.rows), (
+                f"{name}: {row.source} -> {row.target} claims to be imported, but the job is the same without it")
+    dataset_file = data.get("dataset_config")
+    if dataset_file:  # every key of every table of the dataset config has a row
+        tables = read_raw(path.parent / dataset_file)
+        sources = {row.source for row in conversion.rows}
+        keys = [f"general.{k}" for k in tables.get("general", {})]
+        for d, dataset in enumerate(tables["datasets"]):
+            keys += [f"datasets[{d}].{k}" for k in dataset if k != "subsets"]
+            keys += [f"datasets[{d}].subsets[{i}].{k}" for i, sub in enumerate(dataset["subsets"]) for k in sub]
+        assert [k for k in keys if f"dataset config {k}" not in sources] == []
+
+
+def test_kohya_flux_shift_is_the_sigmoid_draw_with_the_dynamic_shift(tmp_path):
+    """kohya's FLUX.1 doc command (timestep_sampling flux_shift): sigmoid draws shifted by the image size's shift
+    (1.88 at 512 px, 3.16 at 1024), not a fixed shift of discrete_flow_shift's default 3.0."""
+    process = process_of(convert(kohya_fixture("kohya_flux.toml", tmp_path)))
+    params = process.train.timestep_params
+    assert process.train.timestep_type == "shift" and params.dynamic_shift and params.shift_base == "sigmoid"
+    assert params.std == 1.0 and process.train.bypass_guidance_embedding is False
+    data = read_raw(tmp_path / "kohya_flux.toml")
+    from toolkit.config.importers.kohya import import_kohya
+
+    fixed = import_kohya({**data, "timestep_sampling": "shift", "discrete_flow_shift": 2.5, "sigmoid_scale": 1.2},
+                         tmp_path / "kohya_flux.toml").job["config"]["process"][0]["train"]["timestep_params"]
+    assert fixed == {"shift_base": "sigmoid", "std": 1.2, "shift": 2.5}
+
+
+def test_kohya_dataset_config_keys_each_get_a_row(tmp_path):
+    """enable_bucket and color_aug in kohya's dataset config (docs/config_README-en.md's example) have rows: the
+    bucketing is difftune's own; color_aug is dropped, with a check for the subset that turns it on."""
+    conversion = convert(kohya_fixture("kohya_sd15_dataset_full.toml", tmp_path))
+    rows = {r.source: r.outcome for r in conversion.rows}
+    assert "buckets" in rows["dataset config datasets[0].enable_bucket"]
+    assert rows["dataset config datasets[0].subsets[1].color_aug"] == "dropped: no difftune equivalent"
+    assert any("color_aug" in c and c.startswith("datasets[1]") for c in conversion.checks)
+    (tmp_path / "flux").mkdir()
+    flux = {r.source: r.outcome for r in convert(kohya_fixture("kohya_flux.toml", tmp_path / "flux")).rows}
+    assert flux["dataset config general.color_aug"] == "dropped: False: off"
+    assert not [c for c in conversion.checks if "color_aug" in c and not c.startswith("datasets[1]")]
+
+
+def test_kohya_refuses_what_kohya_refuses_in_its_own_words(tmp_path):
+    """The SDXL docs command trains the text encoder with cached text-encoder outputs: kohya itself refuses that, so
+    the import names the source file, its keys and kohya's message (no job written, no difftune key names); the doc's
+    fine-tuning dataset (json captions) is refused by name."""
+    path = kohya_fixture("kohya_sdxl_te.toml", tmp_path)
+    out = tmp_path / "sdxl.yaml"
+    with pytest.raises(ImportRefused) as refused:
+        convert(path)
+    message = str(refused.value)
+    assert str(path) in message and "cache_text_encoder_outputs" in message and "network_train_unet_only" in message
+    assert "kohya refuses this combination too" in message and "network.train_text_encoder" not in message
+    assert run.main(["--import-config", str(path), "-o", str(out)]) == 1 and not out.exists()
+    from toolkit.config.importers.kohya import import_kohya
+
+    dataset = {"datasets": [{"resolution": [768, 768], "subsets": [{"image_dir": "piyo",
+                                                                    "metadata_file": "piyo/piyo_md.json"}]}]}
+    with pytest.raises(ImportRefused, match="metadata_file"):
+        import_kohya(read_raw(FIXTURES / "kohya_sd15_dataset_full.toml"), path, datasets=dataset)
+
+
+def test_a_job_difftune_refuses_is_told_in_the_source_files_keys(tmp_path, capsys):
+    """Where the imported job breaks a difftune rule, the error names the source file and the source keys (not a
+    job file that was never written); nothing is written."""
+    source = tmp_path / "job.yaml"
+    source.write_text(yaml.safe_dump({"config": {"name": "m", "process": [{
+        "type": "sd_trainer", "network": {"type": "lora", "linear": 8}, "datasets": [{"folder_path": "d"}],
+        "model": {"name_or_path": "m", "arch": "sd15"}, "sample": {"sampler": "ddpm"},
+        "train": {"steps": 10, "train_text_encoder": True, "cache_text_embeddings": True}}]}}))
+    out = tmp_path / "out.yaml"
+    assert run.main(["--import-config", str(source), "-o", str(out)]) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name, dtype", [("kohya_sd15_folders.toml", "fp16"), ("aitoolkit_ui_sd15.json", "bf16")])
+def test_an_imported_precision_is_kept_and_said_per_device(name, dtype, tmp_path):
+    """kohya's mixed_precision fp16 and ai-toolkit's dtype become model.dtype and train.dtype as they are (fp16 and
+    bf16 train on CUDA and on the CPU alike), with a row saying what that is on each device."""
+    path = kohya_fixture(name, tmp_path) if name.startswith("kohya") else FIXTURES / name
+    conversion = convert(path)
+    process = process_of(conversion)
+    assert (process.model.dtype, process.train.dtype) == (dtype, dtype)
+    said = [r.outcome for r in conversion.rows if r.target in ("train.dtype", "model.dtype") and "CUDA" in r.outcome]
+    assert said and all("on the CPU" in text for text in said)
+
+
+@pytest.mark.slow
+def test_the_imported_kohya_folder_job_trains_in_fp16_on_the_tiny_model(tmp_path, registry):
+    """kohya's SD 1.5 folder-style command (fp16, cached latents, <repeats>_<class> folders with a regularisation
+    folder), imported and pointed at the tiny model and this machine only (model, images, device, output, steps):
+    it trains in the fp16 it asked for."""
+    import shutil
+
+    path = kohya_fixture("kohya_sd15_folders.toml", tmp_path)
+    for folder in ("train_data/10_shp shape", "reg_data/1_shape"):
+        for image in sorted(QUICKSTART_DATA.iterdir())[:4]:
+            shutil.copy(image, tmp_path / folder / image.name)
+    out = tmp_path / "job.yaml"
+    assert run.main(["--import-config", str(path), "-o", str(out)]) == 0
+    job = yaml.safe_load(out.read_text())
+    process = job["config"]["process"][0]
+    process["model"]["name_or_path"] = "tiny"
+    for dataset in process["datasets"]:
+        dataset["resolution"] = [64]
+    process.update(training_folder=str(tmp_path / "output"), device="cpu")
+    process["train"].update(steps=2, optimizer="adamw")  # bitsandbytes' 8-bit AdamW runs on a GPU
+    out.write_text(json.dumps(job))
+    assert (process["model"]["dtype"], process["train"]["dtype"]) == ("fp16", "fp16")
+    assert run.main([str(out)]) == 0
+    records = [r for r in read_metrics(tmp_path / "output" / "sd15_folders_lora" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2]
+
+
+def test_the_migration_guides_catalogues_leave_no_key_to_no_rule():
+    """The jobs behind docs/migrating.md's tables hold every key the importers have a rule for: each gets a row of
+    its own rule, never the fallback for keys no rule handled."""
+    from toolkit.config.importers import docs
+
+    conversions = [docs.catalogue_import(arch, scheduler) for _, arch, scheduler in docs.TABLES]
+    conversions += [docs.kohya_import(flux) for flux in (False, True)]
+    assert [(c.trainer, r.source) for c in conversions for r in c.rows if r.kind == "unhandled"] == []

@@ -160,8 +160,7 @@ def test_the_imported_ui_sd15_job_trains_on_the_tiny_model(tmp_path, registry):
     process["datasets"][0]["resolution"] = [64]
     process["training_folder"] = str(tmp_path / "output")
     process["device"] = "cpu"
-    process["train"].update(steps=3, dtype="fp32", optimizer="adamw")  # bitsandbytes' 8-bit AdamW needs a GPU
-    process["model"]["dtype"] = "fp32"
+    process["train"].update(steps=3, optimizer="adamw")  # bitsandbytes' 8-bit AdamW needs a GPU; bf16 as imported
     process["sample"].update(width=64, height=64, sample_steps=2, sample_at_start=False)
     out.write_text(json.dumps(job))
     assert run.main([str(out)]) == 0
@@ -391,8 +390,7 @@ def test_the_imported_kohya_job_trains_on_the_tiny_model(tmp_path, registry):
     process["datasets"][0].update(folder_path=str(QUICKSTART_DATA), resolution=[64], num_repeats=1)
     process["training_folder"] = str(tmp_path / "output")
     process["device"] = "cpu"
-    process["train"].update(steps=3, dtype="fp32", optimizer="adamw", lr_warmup_steps=1)
-    process["model"]["dtype"] = "fp32"
+    process["train"].update(steps=3, optimizer="adamw", lr_warmup_steps=1)  # in the bf16 it asks for
     process["sample"].update(width=64, height=64, sample_steps=2)
     out.write_text(json.dumps(job))
     assert run.main([str(out)]) == 0

@@ -147,6 +147,30 @@ def test_dynamic_shift_sampler_uses_the_image_sequence_length():
         draw("shift", TimestepParams(dynamic_shift=True), n=4)
 
 
+@pytest.mark.parametrize("pixels, shift", [(512, 1.8776), (768, 2.3319), (1024, 3.1582)])
+def test_the_sigmoid_based_dynamic_shift_is_kohyas_flux_shift(pixels, shift):
+    """kohya sd-scripts' FLUX.1 `flux_shift` (library/flux_train_utils.py): s = sigmoid(sigmoid_scale * randn),
+    mu = 0.5 + (1.15 - 0.5) (L - 256) / (4096 - 256) with L = (h // 2) (w // 2) of the latent, sigma =
+    e^mu / (e^mu + 1/s - 1). difftune's shift with shift_base sigmoid and dynamic_shift draws the same sigma from the
+    same generator, at the shifts kohya's docs quote (3.1582 at 1024 px); its `shift` is the same with a fixed s."""
+    latent = pixels // 8
+    seq_len = (latent // 2) * (latent // 2)
+    scale = 1.3
+    ours = draw("shift", TimestepParams(dynamic_shift=True, shift_base="sigmoid", std=scale), n=4096,
+                image_seq_len=seq_len, shift_schedule=ShiftSchedule()).u
+    generator = torch.Generator().manual_seed(0)
+    s = torch.sigmoid(scale * torch.randn(4096, generator=generator))
+    mu = 0.5 + (1.15 - 0.5) * (seq_len - 256) / (4096 - 256)
+    kohya = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    torch.testing.assert_close(ours, kohya.clamp(1e-6, 1 - 1e-6), rtol=1e-6, atol=1e-6)
+    assert math.exp(mu) == pytest.approx(shift, abs=1e-4)
+    fixed = draw("shift", TimestepParams(shift=3.0, shift_base="sigmoid", std=scale), n=4096).u
+    torch.testing.assert_close(fixed, (3.0 * s / (1 + 2.0 * s)).clamp(1e-6, 1 - 1e-6), rtol=1e-6, atol=1e-6)
+    uniform = draw("shift", TimestepParams(dynamic_shift=True), n=4096, image_seq_len=seq_len,
+                   shift_schedule=ShiftSchedule()).u
+    assert not torch.allclose(uniform, ours, atol=1e-2)  # the base draw matters
+
+
 def test_weighted_draws_uniform_with_bell_weights_that_average_to_one():
     result = draw("weighted")
     assert_matches_cdf(result.u, lambda x: x)

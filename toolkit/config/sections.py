@@ -204,6 +204,9 @@ class TimestepParamsConfig(Section):
     shift: float = Field(3.0, gt=0, description="shift: the time shift s in u -> s u / (1 + (s - 1) u).")
     dynamic_shift: bool = Field(False, description="shift: take s from the image size and the scheduler's "
                                 "base/max shift (flow-matching families).")
+    shift_base: Literal["uniform", "sigmoid"] = Field(
+        "uniform", description="shift: the draws the shift moves: uniform, or sigmoid (the logit-normal of the "
+        "sigmoid sampler, with mean and std), as kohya's shift and flux_shift draw them.")
     gaussian_std: float = Field(0.2, gt=0, description="gaussian: std in u-space.")
     gaussian_std_start: float | None = Field(None, gt=0, description="gaussian curriculum: std at the start.")
     gaussian_std_end: float | None = Field(None, gt=0, description="gaussian curriculum: std at the end.")

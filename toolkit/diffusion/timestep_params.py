@@ -17,6 +17,8 @@ class TimestepParams:
     shift: float = 3.0
     #: shift: compute s from the image sequence length and the scheduler's base/max shift instead
     dynamic_shift: bool = False
+    #: shift: the draws the shift moves: "uniform", or "sigmoid" (the sigmoid sampler's logit-normal, mean and std)
+    shift_base: str = "uniform"
     #: gaussian: std in u-space when no curriculum is set
     gaussian_std: float = 0.2
     #: gaussian curriculum: std at progress 0 and at progress 1 (both or neither)
@@ -34,6 +36,8 @@ class TimestepParams:
                                 ("gaussian_std_end", self.gaussian_std_end))
             if value is not None and not value > 0
         ]
+        if self.shift_base not in ("uniform", "sigmoid"):
+            errors.append(f"timestep_params.shift_base must be 'uniform' or 'sigmoid', got {self.shift_base!r}")
         if (self.gaussian_std_start is None) != (self.gaussian_std_end is None):
             errors.append("timestep_params.gaussian_std_start and gaussian_std_end: set both or neither")
         errors += [f"timestep_params.cycle[{i}] must be in (0, 1), got {c}"

@@ -120,9 +120,13 @@ def dynamic_shift(image_seq_len: int, base_shift: float = 0.5, max_shift: float 
     return math.exp(image_seq_len * m + b)
 
 
-def sample_shift(batch_size: int, generator: torch.Generator, shift: float) -> torch.Tensor:
-    """Uniform draws moved by the time shift."""
-    return shift_u(sample_uniform(batch_size, generator), shift)
+def sample_shift(batch_size: int, generator: torch.Generator, shift: float, base: str = "uniform",
+                 mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """Uniform draws, or the sigmoid sampler's logit-normal ones (`base`), moved by the time shift. The sigmoid
+    base with the dynamic shift is kohya's `flux_shift`, with a fixed one its `shift`."""
+    u = sample_sigmoid(batch_size, generator, mean, std) if base == "sigmoid" else sample_uniform(batch_size,
+                                                                                                  generator)
+    return shift_u(u, shift)
 
 
 def bell_weight(u: torch.Tensor) -> torch.Tensor:
@@ -239,7 +243,8 @@ def _draw(kind: str, params: TimestepParams, batch_size: int, generator: torch.G
     if kind == "lognorm_blend":
         return sample_lognorm_blend(batch_size, generator), None
     if kind == "shift":
-        return sample_shift(batch_size, generator, _shift_value(params, image_seq_len, shift_schedule)), None
+        return sample_shift(batch_size, generator, _shift_value(params, image_seq_len, shift_schedule),
+                            params.shift_base, _or(params.mean, 0.0), params.std), None
     if kind == "weighted":
         return sample_weighted(batch_size, generator)
     if kind == "gaussian":
@@ -294,6 +299,8 @@ def _demo_rows(n: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor 
         draw("shift", "shift shift=3"),
         draw("shift", "shift dynamic 1024px Flux", TimestepParams(dynamic_shift=True),
              image_seq_len=4096, shift_schedule=ShiftSchedule()),
+        draw("shift", "shift sigmoid dyn 512px", TimestepParams(dynamic_shift=True, shift_base="sigmoid"),
+             image_seq_len=1024, shift_schedule=ShiftSchedule()),
         draw("weighted", "weighted (u x weight)"),
         draw("gaussian", "gaussian mean=.5 std=.2"),
         draw("gaussian", "gaussian curriculum p=0", curriculum, progress=0.0),

@@ -9,7 +9,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Rules, Source, general_key
+from toolkit.config.importers.conversion import (
+    MISSING,
+    PRECISION_ON_DEVICES,
+    Conversion,
+    ImportRefused,
+    Row,
+    Rules,
+    Source,
+    general_key,
+)
 from toolkit.models.registry import config_class, family_facts
 
 #: the process types that train a LoRA the same way (the UI's type only adds its database hooks)
@@ -78,6 +87,7 @@ SAME_AS_DIFFTUNE: dict[str, tuple[Any, str, Any]] = {
     "sample.neg": ("", "sample.neg", ""),
     "train.min_denoising_steps": (0, "train.timestep_range", [0.0, 1.0]),
     "train.max_denoising_steps": (999, "train.timestep_range", [0.0, 1.0]),
+    "train.blank_prompt_preservation": (False, "train.blank_prompt_preservation", False),
 }
 
 #: ai-toolkit's defaults of keys without a difftune equivalent: such a key is worth a check only when it differs
@@ -169,6 +179,10 @@ class AiToolkitJob(Rules):
         self.out.mapped(path, target or path, value, note)
         return value
 
+    def named(self, path: str) -> str:
+        """A row's source: the key, or `(default)` where the file leaves it to ai-toolkit's default."""
+        return path if self.src.has(path) else "(default)"
+
     def ignored(self, path: str, why: str = "ai-toolkit ignores it for this model") -> None:
         if self.take(path) is not MISSING:
             self.out.dropped(path, why)
@@ -217,11 +231,19 @@ class AiToolkitJob(Rules):
         self.same("model.name_or_path")
         dtype = self.value_or_default("train.dtype", "train.dtype", "fp32", lambda v: DTYPES.get(str(v), str(v)))
         out.put("model.dtype", dtype)
-        out.rows.append(Row("train.dtype", f"-> model.dtype = '{dtype}'  (ai-toolkit loads the base model in "
-                                           "train.dtype too)"))
+        out.wrote(self.named("train.dtype"), "model.dtype", "ai-toolkit loads the base model in train.dtype too: "
+                  f"{PRECISION_ON_DEVICES.get(dtype, dtype)}")
         self.ignored("model.dtype", "ai-toolkit replaces it with train.dtype")
-        if self.take("model.is_v_pred", False):
-            self.out.mapped("model.is_v_pred", "model.prediction_type", "v_prediction")
+        if self.facts.ddpm_noise:  # ai-toolkit trains epsilon unless is_v_pred, whatever the base's scheduler says
+            v_pred = bool(self.take("model.is_v_pred", False))
+            prediction = "v_prediction" if v_pred else "epsilon"
+            if self.src.has("model.is_v_pred"):
+                out.mapped("model.is_v_pred", "model.prediction_type", prediction)
+            else:
+                out.assumed("model.prediction_type", prediction, "ai-toolkit trains epsilon unless model.is_v_pred, "
+                                                                 "whatever the base's scheduler says")
+        else:
+            self.ignored("model.is_v_pred", "ai-toolkit ignores it for this model")
         if "quantize" in self.model_keys:
             quantize = self.same("model.quantize")
             te = self.same("model.quantize_te")
@@ -714,6 +736,8 @@ class AiToolkitJob(Rules):
         if self.take("train.do_differential_guidance", False):
             out.mapped("train.do_differential_guidance", "train.differential_guidance_scale",
                        float(self.take("train.differential_guidance_scale", 3.0)))
+            if self.src.has("train.differential_guidance_scale"):
+                out.wrote("train.differential_guidance_scale", "train.differential_guidance_scale")
         else:
             self.ignored("train.differential_guidance_scale", "only with do_differential_guidance")
         self.guidance()
@@ -721,6 +745,8 @@ class AiToolkitJob(Rules):
         if reg != 1.0:
             out.dropped("train.reg_weight", "no difftune equivalent")
             out.check(f"train.reg_weight {reg}: difftune weights regularisation images like the others")
+        elif self.src.has("train.reg_weight"):
+            out.dropped("train.reg_weight", "1.0: regularisation images at full weight (difftune has no other)")
 
     def guidance(self) -> None:
         """FLUX.1's training guidance: ai-toolkit feeds `cfg_scale` to the guidance embedding, or leaves the embedding
@@ -802,6 +828,10 @@ class AiToolkitJob(Rules):
         rescale = self.take("sample.guidance_rescale", 0.0)
         if rescale and self.facts.guidance_rescale:
             out.mapped("sample.guidance_rescale", "sample.guidance_rescale", float(rescale))
+        elif rescale:
+            out.dropped("sample.guidance_rescale", "ai-toolkit ignores it for this model")
+        elif self.src.has("sample.guidance_rescale"):
+            out.dropped("sample.guidance_rescale", f"{rescale!r}: off")
         if self.facts.video:
             self.sample_frames()
             self.same("sample.fps", convert=float)

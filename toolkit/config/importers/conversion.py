@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
@@ -138,6 +139,33 @@ class Conversion:
         self.rows.append(Row(source, f"-> nothing to write: difftune's {target} is {show(value)} by default too",
                              "same", target, value))
 
+    def sources_of(self, target: str) -> list[str]:
+        """The source keys whose rows wrote `target` (or a key under it, or the mapping it is in)."""
+        found = [row.source for row in self.rows if row.kind == "mapped" and row.target and (
+            row.target == target or row.target.startswith(target + ".") or target.startswith(row.target + "."))]
+        return list(dict.fromkeys(found))
+
+    def refusal(self, source: Path, problems: list[str]) -> str:
+        """Why difftune refuses the job imported from `source`, each problem (`config.process[0].key: why`) told by
+        the source keys that made its difftune key."""
+        lines = [f"{source}: the {self.trainer} job asks for what difftune refuses (nothing was written):"]
+        for problem in problems:
+            key, _, why = problem.strip().partition(": ")
+            target = re.sub(r"^config\.process\[0\]\.", "", key)
+            sources = self.sources_of(target)
+            said = ", ".join(s for s in sources if s != "(default)") or (
+                f"{self.trainer}'s default" if sources else "the import")
+            lines.append(f"  {said} (difftune's {target}): {self.with_sources(why)}")
+        return "\n".join(lines)
+
+    def with_sources(self, text: str) -> str:
+        """`text` with each difftune key in it followed by the source keys that made it."""
+        def named(match: re.Match) -> str:
+            sources = [s for s in self.sources_of(match.group(0)) if s != "(default)"]
+            return f"{match.group(0)} (your {', '.join(sources)})" if sources else match.group(0)
+
+        return re.sub(r"\b(?:model|network|train|sample|save|datasets\[\d+\])\.[a-z_]+\b", named, text)
+
     def check(self, text: str) -> None:
         if text not in self.checks:
             self.checks.append(text)
@@ -151,6 +179,17 @@ class Conversion:
             lines += ["", "Check these (the meaning differs, or nothing in difftune matches exactly):"]
             lines += [f"  - {text}" for text in self.checks]
         return "\n".join(lines)
+
+
+#: what a job's precision (model.dtype and train.dtype both set to it) does on each device, for the import rows
+#: (docs/architecture.md "Precision": fp16 and bf16 train on CUDA and on the CPU alike)
+PRECISION_ON_DEVICES = {
+    "fp32": "float32 throughout, on CUDA and on the CPU",
+    "bf16": "bf16 base weights and bf16 autocast, on CUDA and on the CPU alike; the LoRA, its gradients and its "
+            "optimizer state stay float32",
+    "fp16": "fp16 base weights and fp16 autocast with a dynamic loss scale (a GradScaler), on CUDA and on the CPU "
+            "alike; the LoRA, its gradients and its optimizer state stay float32",
+}
 
 
 def show(value: Any) -> str:

@@ -13,7 +13,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from toolkit.config.importers.conversion import MISSING, Conversion, ImportRefused, Row, Rules, Source
+from toolkit.config.importers.conversion import (
+    MISSING,
+    PRECISION_ON_DEVICES,
+    Conversion,
+    ImportRefused,
+    Row,
+    Rules,
+    Source,
+)
 from toolkit.models.registry import config_class, family_facts
 
 #: network modules by the family they train (None: another script's family, refused by name)
@@ -46,8 +54,7 @@ QUIET = ("xformers", "sdpa", "mem_eff_attn", "torch_compile", "dynamo_backend", 
          "training_comment", "no_metadata", "metadata_title", "metadata_author", "metadata_description",
          "metadata_license", "metadata_tags", "huggingface_repo_id", "ddp_timeout", "blocks_to_swap",
          "cpu_offload_checkpointing", "disable_mmap_load_safetensors", "tokenizer_cache_dir", "sample_sampler",
-         "output_config", "config_file", "dataset_config", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
-         "bucket_reso_steps", "bucket_no_upscale")
+         "output_config", "config_file", "dataset_config", "enable_bucket")
 
 
 def flat_arguments(data: dict[str, Any]) -> dict[str, Any]:
@@ -151,16 +158,24 @@ def folder_subsets(folder: Any, main: dict, is_reg: bool) -> list[tuple[dict, di
     return found
 
 
-#: subset and dataset keys the import reads (the others get a dropped row and a check)
-DATASET_KEYS = {"image_dir", "num_repeats", "is_reg", "class_tokens", "caption_extension", "keep_tokens",
-                "shuffle_caption", "flip_aug", "random_crop", "cache_latents", "cache_latents_to_disk",
-                "caption_dropout_rate", "caption_tag_dropout_rate", "resolution", "enable_bucket", "batch_size",
-                "metadata_file", "caption_prefix", "caption_suffix", "color_aug", "face_crop_aug_range",
-                "alpha_mask", "conditioning_data_dir", "keep_tokens_separator", "secondary_separator",
-                "enable_wildcard", "token_warmup_min", "token_warmup_step", "caption_dropout_every_n_epochs"}
-#: dataset keys whose default means what difftune does
-DATASET_DEFAULTS = {"caption_separator": ",", "network_multiplier": 1.0, "bucket_no_upscale": False,
-                    "min_bucket_reso": 256, "max_bucket_reso": 1024, "bucket_reso_steps": 64, "validation_split": 0.0}
+#: dataset-config keys the import maps, and where each goes (each subset's row says its value)
+DATASET_TARGETS = {"image_dir": "datasets[].folder_path", "num_repeats": "datasets[].num_repeats",
+                   "is_reg": "datasets[].is_reg", "class_tokens": "datasets[].default_caption",
+                   "caption_extension": "datasets[].caption_ext", "keep_tokens": "datasets[].keep_tokens",
+                   "shuffle_caption": "datasets[].shuffle_tokens", "flip_aug": "datasets[].flip_x",
+                   "random_crop": "datasets[].random_crop", "cache_latents": "datasets[].cache_latents",
+                   "cache_latents_to_disk": "datasets[].cache_latents_to_disk",
+                   "caption_dropout_rate": "datasets[].caption_dropout_rate",
+                   "caption_tag_dropout_rate": "datasets[].token_dropout_rate", "resolution": "datasets[].resolution",
+                   "batch_size": "train.batch_size"}
+#: dataset-config keys with no difftune equivalent: dropped (with a check where a subset turns them on)
+DATASET_UNSUPPORTED = ("caption_prefix", "caption_suffix", "color_aug", "face_crop_aug_range", "alpha_mask",
+                       "conditioning_data_dir", "keep_tokens_separator", "secondary_separator", "enable_wildcard",
+                       "token_warmup_min", "token_warmup_step", "caption_dropout_every_n_epochs")
+#: kohya's bucket grid (difftune makes its own from the resolution), with kohya's defaults (config_util.py)
+BUCKET_KEYS = {"min_bucket_reso": 256, "max_bucket_reso": 1024, "bucket_reso_steps": 64, "bucket_no_upscale": False}
+#: other dataset keys whose default means what difftune does
+DATASET_DEFAULTS = {"caption_separator": ",", "network_multiplier": 1.0, "validation_split": 0.0}
 
 
 class KohyaJob(Rules):
@@ -198,18 +213,29 @@ class KohyaJob(Rules):
         out.put("model.arch", self.family)
         out.rows.append(Row("(script)", f"-> model.arch = '{self.family}'"))
         self.same("pretrained_model_name_or_path", "model.name_or_path")
-        self.take("v2")
-        self.take("model_type")
+        for key in ("v2", "model_type"):
+            if self.take(key) is not MISSING:
+                out.dropped(key, f"{self.src.values[key]!r}: read with the script above (model.arch)")
         precision = PRECISION.get(str(self.take("mixed_precision", "no")), "fp32")
         out.put("train.dtype", precision)
         out.put("model.dtype", precision)
-        out.rows.append(Row(self.named("mixed_precision"), f"-> train.dtype, model.dtype = '{precision}'  (kohya holds the "
-                                               "frozen base in it too)"))
+        note = f"kohya casts the frozen base to it too: {PRECISION_ON_DEVICES[precision]}"
+        out.wrote(self.named("mixed_precision"), "train.dtype", note)
+        out.wrote(self.named("mixed_precision"), "model.dtype")
         for key in ("full_fp16", "full_bf16"):
             if self.take(key, False):
                 out.dropped(key, "difftune keeps the LoRA and its gradients in float32")
-        if self.take("v_parameterization", False):
-            out.mapped("v_parameterization", "model.prediction_type", "v_prediction")
+        if self.facts.ddpm_noise:
+            if self.take("v_parameterization", False):
+                out.mapped("v_parameterization", "model.prediction_type", "v_prediction")
+            elif self.src.has("v_parameterization"):
+                out.mapped("v_parameterization", "model.prediction_type", "epsilon",
+                           "false: kohya trains epsilon whatever the base's scheduler says")
+            else:
+                out.assumed("model.prediction_type", "epsilon", "kohya trains epsilon unless v_parameterization, "
+                                                                "whatever the base's scheduler says")
+        elif self.take("v_parameterization", False):
+            out.dropped("v_parameterization", "kohya ignores it for FLUX.1")
         self.same("zero_terminal_snr", "train.zero_terminal_snr", bool)
         vae = self.take("vae")
         if vae not in (MISSING, None):
@@ -244,7 +270,10 @@ class KohyaJob(Rules):
             kind = {"lora": "lora", "locon": "lora", "loha": "loha", "lokr": "lokr"}.get(algo)
             if kind is None:
                 raise ImportRefused(f"network_args algo={algo}: no difftune equivalent (lora, locon, loha, lokr)")
-        out.mapped("network_module", "network.type", kind)
+        if self.src.has("network_module"):
+            out.mapped("network_module", "network.type", kind)
+        else:
+            out.assumed("network.type", kind, "kohya's default network_module, networks.lora")
         rank = self.value_or_default("network_dim", "network.linear", 4, int)
         alpha = self.value_or_default("network_alpha", "network.linear_alpha", 1.0, float)
         if module == "lycoris.kohya" and self.facts.conv_layers:
@@ -294,10 +323,15 @@ class KohyaJob(Rules):
             if text_lr not in (MISSING, None):
                 out.mapped("text_encoder_lr", "train.text_encoder_lr", float(text_lr))
         elif trains_text:
+            if text_lr not in (MISSING, None):
+                out.dropped("text_encoder_lr", "difftune trains no text-encoder LoRA for this model (see the check)")
             out.check("kohya also trains FLUX.1's CLIP-L LoRA unless network_train_unet_only; difftune trains the "
                       "transformer's only")
         elif unet_only:
             out.rows.append(Row("network_train_unet_only", "-> network.train_text_encoder = False"))
+        if not trains_text and text_lr not in (MISSING, None):
+            out.dropped("text_encoder_lr", "the text encoder does not train (network_train_unet_only)" if unet_only
+                        else "0: kohya then trains no text-encoder LoRA")
         out.check("LoRA coverage: kohya adapts every linear layer of the transformer blocks (FLUX.1: its fused "
                   "layers, modulation included); difftune's default targets are the attention projections (and MLPs "
                   "for some families): set network.target_modules to widen them (docs/networks.md)")
@@ -321,12 +355,19 @@ class KohyaJob(Rules):
             folder = self.take("train_data_dir")
             if folder in (MISSING, None):
                 raise ImportRefused("no dataset_config and no train_data_dir: nothing to train on")
-            found = folder_subsets(folder, main, is_reg=False)
+            found = folder_subsets(self.folder(folder), main, is_reg=False)
             if not found:
                 raise ImportRefused(f"train_data_dir {folder}: no <repeats>_<name> folders found here; give the "
                                     "dataset_config")
+            self.out.rows.append(Row("train_data_dir", f"-> datasets[0..{len(found) - 1}]: one per <repeats>_<class "
+                                                       "tokens> folder in it"))
             reg = self.take("reg_data_dir")
-            return found + (folder_subsets(reg, main, is_reg=True) if reg not in (MISSING, None) else [])
+            regs = folder_subsets(self.folder(reg), main, is_reg=True) if reg not in (MISSING, None) else []
+            if reg not in (MISSING, None):
+                self.out.rows.append(Row("reg_data_dir", f"-> datasets[{len(found)}..{len(found) + len(regs) - 1}]: "
+                                                         "one per folder in it, is_reg true" if regs else
+                                         "dropped: no <repeats>_<class tokens> folders in it"))
+            return found + regs
         general = self.datasets_file.get("general", {}) or {}
         out = []
         for dataset in self.datasets_file.get("datasets", []) or []:
@@ -336,6 +377,11 @@ class KohyaJob(Rules):
         if not out:
             raise ImportRefused("the dataset config has no [[datasets.subsets]]")
         return out
+
+    def folder(self, value: Any) -> Path:
+        """A folder the arguments name: as kohya reads it (from the working directory), else beside the file."""
+        path = Path(str(value)).expanduser()
+        return path if path.is_absolute() or path.is_dir() else self.path.parent / path
 
     def data(self) -> None:
         out = self.out
@@ -349,7 +395,7 @@ class KohyaJob(Rules):
                 return subset.get(key, inherited.get(key, default))
 
             at = f"datasets[{i}]"
-            if "metadata_file" in subset:
+            if "metadata_file" in subset or "metadata_file" in inherited:
                 raise ImportRefused(f"subset {subset.get('image_dir')}: captions in metadata_file (json) cannot be "
                                     "imported; difftune reads caption files beside the images")
             out.mapped(f"subset {i} image_dir", f"{at}.folder_path", subset.get("image_dir"))
@@ -390,14 +436,19 @@ class KohyaJob(Rules):
                                                        "; kohya without enable_bucket crops every image to exactly "
                                                        "that size"))
             batch_sizes.add(int(value("batch_size", inherited.get("train_batch_size", 1))))
-            for key in ("caption_prefix", "caption_suffix", "color_aug", "face_crop_aug_range", "alpha_mask",
-                        "conditioning_data_dir", "keep_tokens_separator", "secondary_separator", "enable_wildcard",
-                        "token_warmup_min", "token_warmup_step", "caption_dropout_every_n_epochs"):
+            if value("enable_bucket", False):
+                out.rows.append(Row(f"subset {i} enable_bucket", f"-> {at}.resolution: difftune buckets every image by "
+                                                                 "aspect ratio at that area, as kohya's buckets do"))
+            for key in DATASET_UNSUPPORTED:
                 if value(key):
                     out.dropped(f"subset {i} {key}", "no difftune equivalent")
                     out.check(f"{at}: {key} = {value(key)!r} has no difftune equivalent; dropped")
+            if value("cache_latents", False) and (value("color_aug", False) or value("random_crop", False)):
+                raise ImportRefused(f"{self.path}: subset {subset.get('image_dir')}: cache_latents with color_aug or "
+                                    "random_crop, which kohya refuses too (\"when caching latents, either color_aug or "
+                                    "random_crop cannot be used\")")
         if self.datasets_file is not None:
-            self.unused_dataset_keys()
+            self.dataset_config_rows()
         size = max(batch_sizes)
         out.put("train.batch_size", size)
         out.rows.append(Row("train_batch_size / batch_size", f"-> train.batch_size = {size}"))
@@ -408,20 +459,34 @@ class KohyaJob(Rules):
                 self.take(key)
                 out.rows.append(Row(key, f"-> {target} = (every subset's that does not set its own)"))
 
-    def unused_dataset_keys(self) -> None:
-        """Every key of the dataset config the import does not read: a dropped row, and a check where its value is
+    def dataset_config_rows(self) -> None:
+        """A row for every key of every table of the dataset config: where a mapped key went (each subset's own row
+        has the value it took), what bucketing became, and what was dropped, with a check where a dropped value is
         not kohya's default."""
         tables = [("general", self.datasets_file.get("general") or {})]
         for d, dataset in enumerate(self.datasets_file.get("datasets") or []):
             tables.append((f"datasets[{d}]", {k: v for k, v in dataset.items() if k != "subsets"}))
             tables += [(f"datasets[{d}].subsets[{i}]", sub) for i, sub in enumerate(dataset.get("subsets") or [])]
+        out = self.out
         for where, table in tables:
             for key, value in table.items():
-                if key in DATASET_KEYS:
-                    continue
-                self.out.dropped(f"dataset config {where}.{key}", "no difftune equivalent")
-                if DATASET_DEFAULTS.get(key, object()) != value:
-                    self.out.check(f"dataset config {where}.{key} = {value!r}: no difftune equivalent; dropped")
+                source = f"dataset config {where}.{key}"
+                if key in DATASET_TARGETS:
+                    out.rows.append(Row(source, f"-> {DATASET_TARGETS[key]} of each subset that takes it (the 'subset "
+                                                f"N {key}' rows)"))
+                elif key == "enable_bucket":
+                    out.rows.append(Row(source, "-> datasets[].resolution: difftune always buckets by aspect ratio"
+                                        if value else "dropped: false; difftune always buckets (see the check)"))
+                elif key in BUCKET_KEYS:
+                    out.dropped(source, "kohya's bucket grid; difftune makes its own from the resolution")
+                    if value != BUCKET_KEYS[key]:
+                        out.check(f"{source} = {value!r}: difftune's buckets follow the resolution; dropped")
+                elif key in DATASET_UNSUPPORTED:
+                    out.dropped(source, "no difftune equivalent" if value else f"{value!r}: off")
+                else:
+                    out.dropped(source, "no difftune equivalent")
+                    if DATASET_DEFAULTS.get(key, object()) != value:
+                        out.check(f"{source} = {value!r}: no difftune equivalent; dropped")
 
     def train(self) -> None:
         out = self.out
@@ -457,9 +522,16 @@ class KohyaJob(Rules):
         self.same("noise_offset", "train.noise_offset", float)
         self.same("max_data_loader_n_workers", "train.num_workers", int)
         self.same("persistent_data_loader_workers", "train.persistent_workers", bool)
-        for key in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk"):
-            if self.take(key, False):
-                out.mapped(key, "train.cache_text_embeddings", True)
+        cached = [key for key in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk")
+                  if self.take(key, False)]
+        for key in cached:
+            out.mapped(key, "train.cache_text_embeddings", True)
+        if cached and out.get("network.train_text_encoder") is True:
+            raise ImportRefused(
+                f"{self.path}: {cached[0]} with the text encoder's LoRA trained (no network_train_unet_only): "
+                "kohya refuses this combination too (\"network for Text Encoder cannot be trained with caching Text "
+                "Encoder outputs\"); set network_train_unet_only = true, or remove "
+                f"{' and '.join(cached)}, and import again")
         self.objective()
 
     def optimizer(self) -> None:
@@ -550,6 +622,8 @@ class KohyaJob(Rules):
             raise ImportRefused(f"loss_type {loss}: no difftune equivalent")
         if self.facts.guidance_embedding:
             self.value_or_default("guidance_scale", "train.guidance_scale", 3.5, float)
+            self.out.assumed("train.bypass_guidance_embedding", False, "kohya feeds the guidance embedding whatever "
+                                                                       "the base; difftune bypasses it for Flex.1")
             self.flux_timesteps()
 
     def flux_timesteps(self) -> None:
@@ -558,14 +632,29 @@ class KohyaJob(Rules):
         shift = float(self.take("discrete_flow_shift", 3.0) or 3.0)
         scheme = str(self.take("weighting_scheme", "uniform") or "uniform")
         scale = float(self.take("sigmoid_scale", 1.0) or 1.0)
-        for key in ("discrete_flow_shift", "weighting_scheme", "sigmoid_scale"):
+        # which of these keys kohya reads for this timestep_sampling (library/flux_train_utils.py)
+        reads = {"sigmoid_scale": sampling in ("sigmoid", "shift", "flux_shift"),
+                 "discrete_flow_shift": sampling in ("shift", "sigma"), "weighting_scheme": sampling == "sigma"}
+        for key, read in reads.items():
             if self.src.has(key):
-                out.rows.append(Row(key, "-> train.timestep_type / timestep_params (with timestep_sampling)"))
+                out.rows.append(Row(key, "-> train.timestep_type / timestep_params (with timestep_sampling)" if read
+                                    else f"dropped: kohya ignores it with timestep_sampling {sampling}"))
         if sampling == "uniform":
             out.mapped("timestep_sampling", "train.timestep_type", "uniform")
         elif sampling == "sigmoid":
             out.mapped("timestep_sampling", "train.timestep_type", "sigmoid")
             out.put("train.timestep_params", {"std": scale})
+        elif sampling in ("shift", "flux_shift"):
+            # kohya: s = sigmoid(sigmoid_scale * randn), then shifted: by discrete_flow_shift (shift), or by
+            # exp(mu) with mu from the latent size and FLUX.1's 0.5 / 1.15 line (flux_shift: difftune's dynamic
+            # shift, from the scheduler's own base/max shift)
+            params = {"shift_base": "sigmoid", "std": scale}
+            params.update({"dynamic_shift": True} if sampling == "flux_shift" else {"shift": shift})
+            out.put("train.timestep_params", params)
+            out.mapped("timestep_sampling", "train.timestep_type", "shift",
+                       "from the image size, as kohya's flux_shift: 1.88 at 512 px, 3.16 at 1024"
+                       if sampling == "flux_shift" else f"shift {shift}")
+            out.wrote("timestep_sampling", "train.timestep_params", "the sigmoid draws kohya shifts")
         elif sampling == "sigma" and scheme in ("uniform", "none"):
             if self.src.has("timestep_sampling"):
                 out.mapped("timestep_sampling", "train.timestep_type", "shift", f"shift {shift}")
@@ -657,6 +746,10 @@ class KohyaJob(Rules):
             value = self.src.values[key]
             if key in QUIET:
                 self.out.dropped(key, "speed, memory, logging or files only")
+            elif key in BUCKET_KEYS:
+                self.out.dropped(key, "kohya's bucket grid; difftune makes its own from the resolution")
+                if value != BUCKET_KEYS[key]:
+                    self.out.check(f"{key} = {value!r}: difftune's buckets follow the resolution; dropped")
             else:
                 self.out.dropped(key, "no difftune equivalent")
                 if value not in (None, False, 0, "", [], {}):
