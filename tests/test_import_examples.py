@@ -125,6 +125,16 @@ def test_the_wan21_example_gets_the_frames_ai_toolkit_renders():
         WanPipeline.__call__)
 
 
+def test_a_wan_clip_length_is_the_frames_ai_toolkit_trains_on():
+    """ai-toolkit extracts a dataset's num_frames as given; Wan's VAE encodes 1 + (n - 1) // 4 latent frames of them,
+    so 40 trains on 37: the job says 37 (difftune takes 4k + 1 only)."""
+    data = read_raw(FIXTURES / "aitoolkit_example_wan21_1b.yaml")
+    data["config"]["process"][0]["datasets"][0]["num_frames"] = 40
+    conversion = import_aitoolkit(data)
+    assert process_of(conversion).datasets[0].num_frames == 37
+    assert "encodes the first 37" in next(r.outcome for r in conversion.rows if r.source == "datasets[0].num_frames")
+
+
 @pytest.mark.parametrize("name, bypass", [("aitoolkit_example_flex.yaml", True), ("aitoolkit_ui_flex1.json", True),
                                           ("aitoolkit_ui_flux.json", False), ("aitoolkit_flux_example.yaml", False)])
 def test_flex_jobs_bypass_the_guidance_embedding(name, bypass):

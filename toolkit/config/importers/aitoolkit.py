@@ -416,7 +416,7 @@ class AiToolkitJob(Rules):
         for key in ("is_reg", "cache_latents", "cache_latents_to_disk", "random_crop"):
             self.same(f"{at}.{key}", convert=bool)
         if self.facts.video:
-            self.same(f"{at}.num_frames", convert=int)
+            self.dataset_frames(at)
         else:
             self.ignored(f"{at}.num_frames", "this model trains on images")
         if self.src.values.get(f"{at}.is_reg"):
@@ -474,6 +474,18 @@ class AiToolkitJob(Rules):
             raise ImportRefused(f"{at}.controls: control images have no difftune equivalent")
         if self.src.has(f"{at}.controls"):
             out.dropped(f"{at}.controls", "none given")
+
+    def dataset_frames(self, at: str) -> None:
+        """ai-toolkit extracts a clip's num_frames as they are, and Wan's VAE encodes the 4k + 1 at or below that
+        count (1 + (n - 1) // 4 latent frames): those are the frames it trains on, which the import writes."""
+        frames = self.take(f"{at}.num_frames")
+        if frames is MISSING:
+            return
+        step = self.facts.frame_step
+        trained = (int(frames) - 1) // step * step + 1
+        self.out.mapped(f"{at}.num_frames", f"{at}.num_frames", trained,
+                        "" if trained == int(frames) else f"ai-toolkit extracts {frames}; the VAE encodes the first "
+                        f"{trained} ({step}k + 1 frames), which is what it trains on")
 
     def dataset_triggers(self) -> set:
         return {v for p, v in self.src.values.items() if p.startswith("datasets[") and p.endswith(".trigger_word")}
