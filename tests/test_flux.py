@@ -307,9 +307,12 @@ def test_flex_is_told_apart_from_its_block_counts(dev, schnell, flex):
     and 38, [schnell] without the embedding), and on the tiny presets: the bypass is Flex.1's default only."""
     from types import SimpleNamespace as Config
 
-    assert is_flex(Config(guidance_embeds=True, num_layers=8, num_single_layers=38))
-    assert not is_flex(Config(guidance_embeds=True, num_layers=19, num_single_layers=38))
-    assert not is_flex(Config(guidance_embeds=False, num_layers=19, num_single_layers=38))
+    pruned = Config(guidance_embeds=True, num_layers=8, num_single_layers=38)
+    assert is_flex(pruned, "ostris/Flex.1-alpha") and is_flex(pruned, "/models/Flex.1-alpha.safetensors")
+    assert not is_flex(pruned, "Freepik/flux.1-lite-8B")  # the same block counts, its guidance embedding used
+    assert not is_flex(pruned, "/home/flexuser/models/flux-lite")  # the name, not the folders above it
+    assert not is_flex(Config(guidance_embeds=True, num_layers=19, num_single_layers=38), "my-flex-finetune")
+    assert not is_flex(Config(guidance_embeds=False, num_layers=19, num_single_layers=38), "flex")
     assert (flex.flex, flex.bypass_guidance, flex.describe()["variant"]) == (True, True, "flex.1")
     assert (dev.flex, dev.bypass_guidance, dev.describe()["variant"]) == (False, False, "dev")
     assert not schnell.flex and schnell.describe()["guidance_in_training"] == "none"
@@ -362,13 +365,35 @@ def test_the_bypassed_prediction_leaves_the_guidance_embedding_out(loaded, dtype
     assert not torch.equal(*renders)
 
 
+def test_a_pruned_base_without_flex_in_its_name_is_fed_the_guidance(tiny_cache, tmp_path, caplog):
+    """The Flex.1 shape under another name (as FLUX.1-Lite has it) trains with its guidance embedding fed, saying
+    why; asked for, the bypass keeps LoRA off the guidance embedding, which then takes no part in training."""
+    import logging
+    import shutil
+
+    from toolkit.models.flux.tiny import ensure_tiny_flex
+
+    lite = tmp_path / "flux-lite"
+    shutil.copytree(ensure_tiny_flex(), lite)
+    adapter = FluxAdapter.load(model_config(arch="flux", name_or_path=str(lite)), CPU, torch.float32)
+    assert not adapter.flex and adapter.describe()["variant"] == "dev"
+    with caplog.at_level(logging.INFO, logger="difftune"):
+        adapter.use_training_guidance(None, None)
+    assert not adapter.bypass_guidance and "pruned FLUX.1 layout" in caplog.text
+    assert adapter.modules_without_gradients() == []
+    adapter.use_training_guidance(None, True)
+    assert adapter.modules_without_gradients() == ["time_text_embed.guidance_embedder"]
+
+
 def test_the_bypass_is_refused_where_it_cannot_apply(loaded, schnell):
     """[schnell] has no guidance embedding to bypass; a Flex.1 base bypasses it by default, so a training guidance
     value given with it would be unused: both are errors naming the key. Turning the bypass off feeds the value."""
-    with pytest.raises(ValueError, match="train.bypass_guidance_embedding: .* has no guidance embedding"):
+    from toolkit.errors import UserError
+
+    with pytest.raises(UserError, match="train.bypass_guidance_embedding: .* has no guidance embedding"):
         schnell.use_training_guidance(None, True)
     flex = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny-flex"), CPU, torch.float32)
-    with pytest.raises(ValueError, match="train.guidance_scale 2.0: .* Flex.1 base"):
+    with pytest.raises(UserError, match="train.guidance_scale 2.0: .* Flex.1 base"):
         flex.use_training_guidance(2.0, None)
     flex.use_training_guidance(2.0, False)
     assert not flex.bypass_guidance and flex.train_guidance_scale == 2.0

@@ -110,17 +110,24 @@ def test_each_same_as_difftune_entry_is_difftunes_default(key):
 # ---- what trying the examples showed -----------------------------------------------------------------------
 
 
-def test_the_wan21_example_gets_the_frames_ai_toolkit_renders():
-    """ai-toolkit's train_lora_wan21_1b_24gb.yaml asks for 40 sample frames, which WanPipeline renders as 41 (it
-    rounds to 4k + 1 below): the job says 41, and the row says why."""
-    conversion = imported("aitoolkit_example_wan21_1b.yaml")
-    assert process_of(conversion).sample.num_frames == 41
+@pytest.mark.parametrize("arch, low_vram, frames", [("wan21", False, 41), ("wan22_14b", False, 41),
+                                                      ("wan21", True, 37), ("wan22_5b", False, 37)])
+def test_the_wan21_example_gets_the_frames_ai_toolkit_renders(arch, low_vram, frames):
+    """ai-toolkit's train_lora_wan21_1b_24gb.yaml asks for 40 sample frames. Wan 2.1 renders them through diffusers'
+    WanPipeline and Wan 2.2 14B through its subclass, which round to 41; its Wan 2.2 5B model rounds down to 37, and
+    Wan 2.1 with low_vram samples through its own pipeline, whose (40 - 1) // 4 + 1 latent frames decode to 37. The
+    job says what is rendered, and the row says why."""
+    data = read_raw(FIXTURES / "aitoolkit_example_wan21_1b.yaml")
+    data["config"]["process"][0]["model"].update(arch=arch, low_vram=low_vram)
+    conversion = import_aitoolkit(data)
+    assert process_of(conversion).sample.num_frames == frames
     row = next(r for r in conversion.rows if r.source == "sample.num_frames")
-    assert "asks for 40" in row.outcome and "renders 41" in row.outcome
+    assert "asks for 40" in row.outcome and f"renders {frames}" in row.outcome
+    assert process_of(imported("aitoolkit_example_wan21_1b.yaml")).sample.num_frames == 41  # the file as it is
     from diffusers import WanPipeline
     import inspect
 
-    # the rounding is the installed pipeline's own
+    # the rounding up is the installed pipeline's own
     assert "num_frames // self.vae_scale_factor_temporal * self.vae_scale_factor_temporal + 1" in inspect.getsource(
         WanPipeline.__call__)
 
@@ -203,11 +210,19 @@ def test_the_imported_flex_example_trains_with_the_embedding_bypassed(tmp_path, 
     process["train"].update(steps=2, optimizer="adamw")  # bitsandbytes' 8-bit AdamW runs on a GPU
     process["sample"].update(width=32, height=32, sample_steps=2, prompts=process["sample"]["prompts"][:1])
     process["save"].update(save_every=2)
+    # wide targets, as the import's coverage check suggests: they reach the embedders' linear_1 / linear_2
+    process["network"]["target_modules"] = ["to_q", "linear_1", "linear_2"]
     out.write_text(json.dumps(job))
     assert run.main([str(out)]) == 0
     assert any("'variant': 'flex.1'" in r.message and "'guidance_in_training': 'bypassed'" in r.message
                for r in caplog.records)
     folder = tmp_path / "output" / job["config"]["name"]
+    from safetensors import safe_open
+
+    with safe_open(str(folder / f"{job['config']['name']}.safetensors"), "pt") as handle:
+        keys = list(handle.keys())
+    # the bypassed guidance embedding takes no part in training: no LoRA there; the timestep embedding has one
+    assert [k for k in keys if "guidance_embedder" in k] == [] and [k for k in keys if "timestep_embedder" in k]
     assert [r["step"] for r in read_metrics(folder / "metrics.jsonl") if "loss" in r] == [1, 2]
     assert list((folder / "samples").glob("*.png"))
 
@@ -320,7 +335,7 @@ def test_kohya_refuses_what_kohya_refuses_in_its_own_words(tmp_path):
         import_kohya(read_raw(FIXTURES / "kohya_sd15_dataset_full.toml"), path, datasets=dataset)
 
 
-def test_a_job_difftune_refuses_is_told_in_the_source_files_keys(tmp_path, capsys):
+def test_a_job_difftune_refuses_is_told_in_the_source_files_keys(tmp_path, caplog):
     """Where the imported job breaks a difftune rule, the error names the source file and the source keys (not a
     job file that was never written); nothing is written."""
     source = tmp_path / "job.yaml"
@@ -331,6 +346,17 @@ def test_a_job_difftune_refuses_is_told_in_the_source_files_keys(tmp_path, capsy
     out = tmp_path / "out.yaml"
     assert run.main(["--import-config", str(source), "-o", str(out)]) == 1
     assert not out.exists()
+    from toolkit.config.loader import validate_job
+    from jobs.registry import build_registry
+
+    conversion = convert(source)
+    with pytest.raises(ConfigError) as error:
+        validate_job(conversion.job, out, build_registry(Path(run.ROOT) / "extensions"))
+    message = conversion.refusal(source, str(error.value).splitlines()[1:])
+    assert message.startswith(f"{source}: the ai-toolkit job asks for what difftune refuses (nothing was written)")
+    assert "train.train_text_encoder (difftune's network.train_text_encoder)" in message
+    assert "train.cache_text_embeddings (your train.cache_text_embeddings)" in message and str(out) not in message
+    assert message in caplog.text
 
 
 @pytest.mark.parametrize("name, dtype", [("kohya_sd15_folders.toml", "fp16"), ("aitoolkit_ui_sd15.json", "bf16")])
@@ -380,3 +406,49 @@ def test_the_migration_guides_catalogues_leave_no_key_to_no_rule():
     conversions = [docs.catalogue_import(arch, scheduler) for _, arch, scheduler in docs.TABLES]
     conversions += [docs.kohya_import(flux) for flux in (False, True)]
     assert [(c.trainer, r.source) for c in conversions for r in c.rows if r.kind == "unhandled"] == []
+
+
+def test_nothing_to_write_holds_for_the_value_as_the_source_reads_it():
+    """A default written another way (0.0 for 0, an empty YAML key for "", "" for a missing path) is still the
+    default; another value, or a bool for a number, is not taken for it."""
+    data = read_raw(FIXTURES / "aitoolkit_ui_sdxl.json")
+    process = data["config"]["process"][0]
+    process["train"].update(min_denoising_steps=0.0, max_denoising_steps=999.0)
+    process["sample"]["neg"] = None
+    process["datasets"][0].update(default_caption=None, mask_path="")
+    rows = {r.source: r for r in import_aitoolkit(data).rows}
+    for key in ("train.min_denoising_steps", "train.max_denoising_steps", "sample.neg",
+                "datasets[0].default_caption", "datasets[0].mask_path"):
+        assert rows[key].kind == "same", key
+    from toolkit.config.importers.conversion import same_value
+
+    assert not same_value(0, False) and not same_value("", 0) and not same_value(999, 998.0)
+
+
+def test_a_malformed_job_key_gets_the_schemas_message_not_a_traceback(registry, tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("job: [extension]\nconfig:\n  name: x\n  process: 3\n")
+    with pytest.raises(ConfigError):
+        load_config(str(path), registry)
+    from toolkit.config.importers.detect import detect
+
+    assert detect({"job": {"a": 1}, "config": {"process": 3}}) is None
+    assert detect({"job": "extract", "config": {"process": 3}}).job_kind == "extract"
+
+
+def test_kohya_rows_for_keys_it_ignores_or_turns_off(tmp_path):
+    """A FLUX.1 file's v_parameterization, a weighting_scheme kohya ignores (raw prediction) or applies to the loss
+    (sigma_scaled), and dataset-config keys set false or 0 each get a row that says so."""
+    from toolkit.config.importers.kohya import import_kohya
+
+    path = kohya_fixture("kohya_flux.toml", tmp_path)
+    data = read_raw(path)
+    rows = {r.source: r.outcome for r in import_kohya({**data, "v_parameterization": False,
+                                                       "weighting_scheme": "cosmap"}, path).rows}
+    assert rows["v_parameterization"] == "dropped: kohya ignores it for FLUX.1"
+    assert rows["weighting_scheme"] == "dropped: kohya ignores it with timestep_sampling flux_shift"  # raw
+    scaled = import_kohya({**data, "model_prediction_type": "sigma_scaled", "weighting_scheme": "cosmap"}, path)
+    assert "weights the loss" in {r.source: r.outcome for r in scaled.rows}["weighting_scheme"]
+    assert any(c.startswith("weighting_scheme cosmap") for c in scaled.checks)
+    flux_rows = {r.source: r.outcome for r in convert(path).rows}
+    assert flux_rows["dataset config general.shuffle_caption"] == "dropped: False: off, for each subset that takes it"

@@ -211,8 +211,11 @@ class BaseSDTrainProcess(BaseProcess):
         `pretrained_lora_path` when given and the file has it); the optimizer's parameter groups: the denoiser's at
         `train.lr`, the text encoders' at `train.text_encoder_lr`."""
         network, train, adapter = self.config.network, self.config.train, self.adapter
+        idle = adapter.modules_without_gradients()
+        denoiser_network = network if not idle else network.model_copy(
+            update={"ignore_if_contains": [*(network.ignore_if_contains or []), *idle]})
         denoiser_params = [param for module in adapter.denoisers()  # one denoiser, or each trained expert
-                           for param in add_lora(module, network, adapter.lora_target_modules(),
+                           for param in add_lora(module, denoiser_network, adapter.lora_target_modules(),
                                                  adapter.conv_target_modules(), self.accelerator.device)]
         groups = [{"params": denoiser_params}]
         self.text_params: list[torch.nn.Parameter] = []

@@ -198,9 +198,9 @@ class LRSchedulerParams(Section):
 class TimestepParamsConfig(Section):
     """Parameters of the timestep samplers (see docs/timesteps.md)."""
 
-    mean: float | None = Field(None, description="sigmoid: mean in logit space (default 0); gaussian: mean in "
-                               "u-space (default 0.5).")
-    std: float = Field(1.0, gt=0, description="sigmoid: std in logit space.")
+    mean: float | None = Field(None, description="sigmoid (and shift with shift_base: sigmoid): mean in logit space "
+                               "(default 0); gaussian: mean in u-space (default 0.5).")
+    std: float = Field(1.0, gt=0, description="sigmoid (and shift with shift_base: sigmoid): std in logit space.")
     shift: float = Field(3.0, gt=0, description="shift: the time shift s in u -> s u / (1 + (s - 1) u).")
     dynamic_shift: bool = Field(False, description="shift: take s from the image size and the scheduler's "
                                 "base/max shift (flow-matching families).")

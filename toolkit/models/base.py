@@ -346,6 +346,11 @@ class ModelAdapter(ABC):
     #: (`train.guidance_scale`)
     train_guidance_scale: float = 1.0
 
+    def modules_without_gradients(self) -> list[str]:
+        """Name fragments of modules that take no part in the training forward with the current options (no LoRA
+        goes there: it would get no gradient, and multi-process training would wait for one)."""
+        return []
+
     def use_training_guidance(self, scale: float | None, bypass: bool | None) -> None:
         """`train.guidance_scale` and `train.bypass_guidance_embedding` (None: the family's default); the config
         refuses both for families without a guidance embedding, so only those families override this."""

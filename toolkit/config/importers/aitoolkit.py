@@ -46,10 +46,15 @@ STATIC_SHIFT = {"zimage": 3.0, "wan21": 3.0, "wan22_5b": 5.0, "wan22_14b": 5.0}
 #: ai-toolkit archs imported as a family they derive from, and what differs
 VARIANTS = {"ssd": "SSD-1B, a distilled SDXL: difftune loads it as sdxl from its diffusers config",
             "vega": "Vega, a distilled SDXL: difftune loads it as sdxl from its diffusers config",
-            "flex1": "Flex.1 trains as flux with train.bypass_guidance_embedding, as in ai-toolkit (difftune tells a "
-                     "Flex.1 base from its transformer's block counts, and bypasses the embedding for it by default)"}
+            "flex1": "Flex.1 trains as flux; ai-toolkit leaves its guidance embedding out of training only where the "
+                     "job says bypass_guidance_embedding: true (its Flex example and UI do), and the import writes what "
+                     "this job says. difftune's own default bypasses it for a Flex.1 base"}
 #: ai-toolkit archs whose training scheduler stretches its shifted schedule to a terminal value
 TERMINAL_SHIFT = frozenset({"qwen_image"})
+#: ai-toolkit Wan archs whose samples round a frame count down to 4k + 1 (diffusers' pipelines round 40 up to 41),
+#: always or with model.low_vram (its own pipeline then), and how
+FRAMES_ROUNDED_DOWN = {"wan22_5b": "its Wan 2.2 5B model rounds down"}
+LOW_VRAM_FRAMES = {"wan21": "its low_vram Wan pipeline encodes the 4k + 1 below"}
 #: ai-toolkit archs with two experts (`model_kwargs.train_high_noise` / `train_low_noise`)
 EXPERT_ARCHS = frozenset({"wan22_14b"})
 
@@ -80,7 +85,7 @@ UI_ONLY = {"sqlite_db_path": "UI-only (its job database)", "performance_log_ever
 
 
 #: ai-toolkit keys whose value means what difftune's default does (see Rules.same_as_difftune; checked against the
-#: schema by tests/test_importers.py)
+#: schema by tests/test_import_examples.py)
 SAME_AS_DIFFTUNE: dict[str, tuple[Any, str, Any]] = {
     "datasets[].default_caption": ("", "datasets[].default_caption", ""),
     "datasets[].mask_path": (None, "datasets[].mask_path", None),
@@ -137,6 +142,11 @@ def import_aitoolkit(data: dict[str, Any], name: str = "") -> Conversion:
     return out
 
 
+def frames_at_or_below(count: int, step: int) -> int:
+    """The step k + 1 frame count at or below `count` (what a video VAE with temporal factor `step` encodes)."""
+    return (count - 1) // step * step + 1
+
+
 def family_of(source: Source) -> tuple[str, str]:
     """(difftune family, ai-toolkit arch) from `model.arch` or the legacy flags (SD 1.x when neither says)."""
     arch = source.take("model.arch", None)
@@ -178,10 +188,6 @@ class AiToolkitJob(Rules):
         value = convert(value) if convert else value
         self.out.mapped(path, target or path, value, note)
         return value
-
-    def named(self, path: str) -> str:
-        """A row's source: the key, or `(default)` where the file leaves it to ai-toolkit's default."""
-        return path if self.src.has(path) else "(default)"
 
     def ignored(self, path: str, why: str = "ai-toolkit ignores it for this model") -> None:
         if self.take(path) is not MISSING:
@@ -482,7 +488,7 @@ class AiToolkitJob(Rules):
         if frames is MISSING:
             return
         step = self.facts.frame_step
-        trained = (int(frames) - 1) // step * step + 1
+        trained = frames_at_or_below(int(frames), step)
         self.out.mapped(f"{at}.num_frames", f"{at}.num_frames", trained,
                         "" if trained == int(frames) else f"ai-toolkit extracts {frames}; the VAE encodes the first "
                         f"{trained} ({step}k + 1 frames), which is what it trains on")
@@ -772,8 +778,16 @@ class AiToolkitJob(Rules):
             self.ignored("train.bypass_guidance_embedding", "ai-toolkit ignores it for this model (no guidance "
                                                             "embedding)")
             return
-        bypass = self.value_or_default("train.bypass_guidance_embedding", "train.bypass_guidance_embedding", False,
-                                       bool)
+        if self.take("model.use_flux_cfg", False):  # ai-toolkit then forces the bypass (config_modules.py)
+            self.out.mapped("model.use_flux_cfg", "train.bypass_guidance_embedding", True,
+                            "ai-toolkit bypasses the embedding in training with it")
+            self.out.check("model.use_flux_cfg: ai-toolkit samples with true classifier-free guidance then; difftune "
+                           "samples through the guidance embedding (sample.guidance_scale)")
+            bypass = True
+            self.ignored("train.bypass_guidance_embedding", "model.use_flux_cfg forces it on in ai-toolkit")
+        else:
+            bypass = self.value_or_default("train.bypass_guidance_embedding", "train.bypass_guidance_embedding",
+                                           False, bool)
         if bypass and cfg is not MISSING:
             out.dropped("train.cfg_scale", "unused: the guidance embedding is bypassed in training")
         elif cfg is not MISSING:
@@ -858,16 +872,20 @@ class AiToolkitJob(Rules):
                                                                                    "training unless told not to)")))
 
     def sample_frames(self) -> None:
-        """ai-toolkit hands sample.num_frames to the diffusers pipeline, which renders the 4k + 1 frames at or below
-        it (WanPipeline: num_frames // 4 * 4 + 1, with a warning); the import writes what it renders."""
+        """The frames ai-toolkit renders for sample.num_frames, which the import writes: WanPipeline (Wan 2.1) and
+        its Wan 2.2 14B pipeline round a count that is not 4k + 1 to num_frames // 4 * 4 + 1 (40 -> 41); its Wan 2.2
+        5B model rounds down first, and Wan 2.1 with low_vram samples through its own pipeline, which makes
+        (n - 1) // 4 + 1 latent frames (both: 40 -> 37)."""
         frames = self.take("sample.num_frames")
         if frames is MISSING:
             return
-        step = self.facts.frame_step
-        rendered = int(frames) if (int(frames) - 1) % step == 0 else int(frames) // step * step + 1
+        step, count = self.facts.frame_step, int(frames)
+        low_vram = bool(self.src.values.get("model.low_vram"))
+        how = FRAMES_ROUNDED_DOWN.get(self.arch) or (LOW_VRAM_FRAMES.get(self.arch) if low_vram else None)
+        rendered = frames_at_or_below(count, step) if how or count % step == 1 else count // step * step + 1
+        how = how or "the pipeline rounds to 4k + 1"
         self.out.mapped("sample.num_frames", "sample.num_frames", rendered,
-                        "" if rendered == int(frames) else f"ai-toolkit asks for {frames}; the pipeline renders "
-                        f"{rendered} ({step}k + 1 frames)")
+                        "" if rendered == count else f"ai-toolkit asks for {frames}; {how}: it renders {rendered}")
 
     def logging(self) -> None:
         every = self.take("logging.log_every")

@@ -207,6 +207,10 @@ class Rules:
     def take(self, key: str, default: Any = MISSING) -> Any:
         return self.src.take(key, default)
 
+    def named(self, key: str) -> str:
+        """A row's source: the key, or `(default)` where the file leaves it to the source trainer's default."""
+        return key if self.src.has(key) else "(default)"
+
     def same(self, key: str, target: str, convert=None) -> Any:
         raise NotImplementedError
 
@@ -221,7 +225,7 @@ class Rules:
 
     #: source keys (a dataset's as `datasets[].key`) whose value means what difftune's default does: key ->
     #: (the source value, difftune's key, its default there). Only these rows say "nothing to write";
-    #: tests/test_importers.py checks every entry against difftune's schema.
+    #: tests/test_import_examples.py checks every entry against difftune's schema.
     same_as_difftune: dict[str, tuple[Any, str, Any]] = {}
 
     def read_without_rows(self) -> None:
@@ -235,12 +239,24 @@ class Rules:
                 continue
             value = self.src.values[key]
             entry = self.same_as_difftune.get(general_key(key))
-            if entry is not None and entry[0] == value and type(entry[0]) is type(value):
+            if entry is not None and same_value(entry[0], value):
                 index = key.split("]")[0] + "]" if key.startswith("datasets[") else ""
                 self.out.same(key, entry[1].replace("datasets[]", index), entry[2])
             else:
                 self.out.rows.append(Row(key, "dropped: no difftune equivalent", "unhandled"))
                 self.out.check(f"{key} = {value!r}: no difftune equivalent; it is dropped")
+
+
+def same_value(expected: Any, value: Any) -> bool:
+    """Whether a file's `value` is the table's `expected` one as the source tool reads it: a number by value (never
+    a bool for a number), a text with None and "" alike (an empty YAML key is null), anything else equal."""
+    if isinstance(expected, bool) or isinstance(value, bool):
+        return expected is value
+    if isinstance(expected, (int, float)):
+        return isinstance(value, (int, float)) and expected == value
+    if isinstance(expected, str) or expected is None:
+        return (value is None or isinstance(value, str)) and (expected or "") == (value or "")
+    return expected == value
 
 
 def general_key(path: str) -> str:

@@ -127,8 +127,9 @@ def _aitoolkit(data: dict[str, Any], own_types: frozenset[str]) -> Foreign | Non
     config = data.get("config")
     processes = config.get("process") if isinstance(config, dict) else None
     kind = data.get("job")
-    if isinstance(config, dict) and kind in AITOOLKIT_OTHER_JOBS:
-        types = sorted({str(p.get("type")) for p in processes or [] if isinstance(p, dict)})
+    if isinstance(config, dict) and isinstance(kind, str) and kind in AITOOLKIT_OTHER_JOBS:
+        listed = processes if isinstance(processes, list) else []
+        types = sorted({str(p.get("type")) for p in listed if isinstance(p, dict)})
         if kind != "train" or AITOOLKIT_LEGACY_TRAINERS & set(types):
             return Foreign("ai-toolkit job", (f"job: {kind}", *(f"process type: {t}" for t in types)), kind)
     if not isinstance(processes, list):

@@ -6,6 +6,7 @@ tests/test_importers.py keeps the page equal to it)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 from toolkit.config.importers.aitoolkit import import_aitoolkit
@@ -146,10 +147,8 @@ def generated_kohya() -> str:
     return "\n".join(lines + [KOHYA_END])
 
 
-def write_page(path: str = "docs/migrating.md") -> None:
-    """Replace the generated parts of docs/migrating.md in place (`--write`)."""
-    from pathlib import Path
-
+def write_page(path: Path = Path(__file__).resolve().parents[3] / "docs" / "migrating.md") -> None:
+    """Replace the generated parts of docs/migrating.md in place (`--write`), wherever it is run from."""
     page = Path(path).read_text(encoding="utf-8")
     for begin, end, block in ((BEGIN, END, generated()), (KOHYA_BEGIN, KOHYA_END, generated_kohya())):
         start, stop = page.index(begin), page.index(end) + len(end)

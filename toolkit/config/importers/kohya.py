@@ -187,10 +187,6 @@ class KohyaJob(Rules):
         self.facts = family_facts(family)
         self.model_keys = set(config_class(family).model_fields)
 
-    def named(self, key: str) -> str:
-        """A row's source: the argument, or `(default)` where the file leaves it to kohya's default."""
-        return key if self.src.has(key) else "(default)"
-
     def same(self, key: str, target: str, convert=None) -> Any:
         """`key` to `target` (through `convert`) when the file gives it a value (kohya reads null as unset)."""
         value = self.take(key)
@@ -234,7 +230,7 @@ class KohyaJob(Rules):
             else:
                 out.assumed("model.prediction_type", "epsilon", "kohya trains epsilon unless v_parameterization, "
                                                                 "whatever the base's scheduler says")
-        elif self.take("v_parameterization", False):
+        elif self.take("v_parameterization") is not MISSING:
             out.dropped("v_parameterization", "kohya ignores it for FLUX.1")
         self.same("zero_terminal_snr", "train.zero_terminal_snr", bool)
         vae = self.take("vae")
@@ -459,6 +455,12 @@ class KohyaJob(Rules):
                 self.take(key)
                 out.rows.append(Row(key, f"-> {target} = (every subset's that does not set its own)"))
 
+    def bucket_key(self, source: str, key: str, value: Any) -> None:
+        """kohya's bucket grid keys: dropped, with a check where the value is not kohya's default."""
+        self.out.dropped(source, "kohya's bucket grid; difftune makes its own from the resolution")
+        if value != BUCKET_KEYS[key]:
+            self.out.check(f"{source} = {value!r}: difftune's buckets follow the resolution; dropped")
+
     def dataset_config_rows(self) -> None:
         """A row for every key of every table of the dataset config: where a mapped key went (each subset's own row
         has the value it took), what bucketing became, and what was dropped, with a check where a dropped value is
@@ -471,16 +473,16 @@ class KohyaJob(Rules):
         for where, table in tables:
             for key, value in table.items():
                 source = f"dataset config {where}.{key}"
-                if key in DATASET_TARGETS:
+                if key in DATASET_TARGETS and not value and key not in ("image_dir", "keep_tokens"):
+                    out.dropped(source, f"{value!r}: off, for each subset that takes it")
+                elif key in DATASET_TARGETS:
                     out.rows.append(Row(source, f"-> {DATASET_TARGETS[key]} of each subset that takes it (the 'subset "
                                                 f"N {key}' rows)"))
                 elif key == "enable_bucket":
                     out.rows.append(Row(source, "-> datasets[].resolution: difftune always buckets by aspect ratio"
                                         if value else "dropped: false; difftune always buckets (see the check)"))
                 elif key in BUCKET_KEYS:
-                    out.dropped(source, "kohya's bucket grid; difftune makes its own from the resolution")
-                    if value != BUCKET_KEYS[key]:
-                        out.check(f"{source} = {value!r}: difftune's buckets follow the resolution; dropped")
+                    self.bucket_key(source, key, value)
                 elif key in DATASET_UNSUPPORTED:
                     out.dropped(source, "no difftune equivalent" if value else f"{value!r}: off")
                 else:
@@ -632,13 +634,24 @@ class KohyaJob(Rules):
         shift = float(self.take("discrete_flow_shift", 3.0) or 3.0)
         scheme = str(self.take("weighting_scheme", "uniform") or "uniform")
         scale = float(self.take("sigmoid_scale", 1.0) or 1.0)
-        # which of these keys kohya reads for this timestep_sampling (library/flux_train_utils.py)
+        prediction = str(self.src.values.get("model_prediction_type") or "sigma_scaled")
+        # which of these keys kohya reads for this timestep_sampling (library/flux_train_utils.py); weighting_scheme
+        # also weights the loss under model_prediction_type sigma_scaled, whatever the sampling
         reads = {"sigmoid_scale": sampling in ("sigmoid", "shift", "flux_shift"),
                  "discrete_flow_shift": sampling in ("shift", "sigma"), "weighting_scheme": sampling == "sigma"}
         for key, read in reads.items():
-            if self.src.has(key):
-                out.rows.append(Row(key, "-> train.timestep_type / timestep_params (with timestep_sampling)" if read
-                                    else f"dropped: kohya ignores it with timestep_sampling {sampling}"))
+            if not self.src.has(key):
+                continue
+            if read:
+                out.rows.append(Row(key, "-> train.timestep_type / timestep_params (with timestep_sampling)"))
+            elif key == "weighting_scheme" and prediction == "sigma_scaled" and scheme in ("sigma_sqrt", "cosmap"):
+                out.dropped(key, "kohya weights the loss by it under model_prediction_type sigma_scaled (see the "
+                                 "check)")
+            else:
+                out.dropped(key, f"kohya ignores it with timestep_sampling {sampling}")
+        if prediction == "sigma_scaled" and scheme in ("sigma_sqrt", "cosmap"):  # the others weigh 1
+            out.check(f"weighting_scheme {scheme}: kohya weights the loss by it (model_prediction_type sigma_scaled); "
+                      "difftune does not")
         if sampling == "uniform":
             out.mapped("timestep_sampling", "train.timestep_type", "uniform")
         elif sampling == "sigmoid":
@@ -655,6 +668,10 @@ class KohyaJob(Rules):
                        "from the image size, as kohya's flux_shift: 1.88 at 512 px, 3.16 at 1024"
                        if sampling == "flux_shift" else f"shift {shift}")
             out.wrote("timestep_sampling", "train.timestep_params", "the sigmoid draws kohya shifts")
+            if sampling == "flux_shift":
+                out.check("timestep_sampling flux_shift: difftune takes the shift's line from the base's scheduler "
+                          "(FLUX.1 [dev]'s is kohya's 0.5 at 256 tokens to 1.15 at 4096); a [schnell] base has none "
+                          "and the run refuses dynamic_shift: give timestep_params.shift there")
         elif sampling == "sigma" and scheme in ("uniform", "none"):
             if self.src.has("timestep_sampling"):
                 out.mapped("timestep_sampling", "train.timestep_type", "shift", f"shift {shift}")
@@ -747,9 +764,7 @@ class KohyaJob(Rules):
             if key in QUIET:
                 self.out.dropped(key, "speed, memory, logging or files only")
             elif key in BUCKET_KEYS:
-                self.out.dropped(key, "kohya's bucket grid; difftune makes its own from the resolution")
-                if value != BUCKET_KEYS[key]:
-                    self.out.check(f"{key} = {value!r}: difftune's buckets follow the resolution; dropped")
+                self.bucket_key(key, key, value)
             else:
                 self.out.dropped(key, "no difftune equivalent")
                 if value not in (None, False, 0, "", [], {}):

@@ -11,12 +11,15 @@ Conventions, as FluxPipeline.__call__ applies them:
 
 Flex.1 is a FLUX.1-layout base pruned to 8 double-stream blocks (FLUX.1 has 19, and twice as many single-stream
 ones) whose guidance embedding is an optional add-on: it is trained without that embedding
-(`train.bypass_guidance_embedding`, on by default for it), and samples with it.
+(`train.bypass_guidance_embedding`, on by default for it), and samples with it. Other pruned bases have the same
+block counts (FLUX.1-Lite: 8 and 38, its guidance embedding distilled from [dev]'s and used), so Flex.1 is the
+pruned shape with Flex in the base's name; another pruned base is fed the guidance like [dev].
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from diffusers.models.embeddings import CombinedTimestepGuidanceTextProjEmbeddin
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
 from toolkit.device import memory_debug, to_device
+from toolkit.errors import UserError
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
 from toolkit.models.base import (
     Expert,
@@ -51,6 +55,8 @@ from toolkit.network.files import key_names
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
 from toolkit.quantize import quantize_blockwise
+
+log = logging.getLogger("difftune")
 
 #: where a single-file transformer's other parts and its config come from when `model.single_file_config` is not
 #: given, by variant ([dev] has guidance-embedding weights): the repos diffusers itself picks for FLUX.1 files
@@ -170,7 +176,7 @@ class FluxAdapter(ModelAdapter):
         #: image position ids per (latent height, width, device, dtype): built on the host once, not every step
         self._image_ids: dict[tuple, torch.Tensor] = {}
         #: a Flex.1 base (told apart by its block counts)
-        self.flex = is_flex(transformer.config)
+        self.flex = is_flex(transformer.config, source)
         #: training leaves the guidance embedding out (`train.bypass_guidance_embedding`; Flex.1's default)
         self.bypass_guidance = False
         self.set_guidance_bypass(self.flex)
@@ -334,20 +340,29 @@ class FluxAdapter(ModelAdapter):
         """The guidance embedding's training value, or its bypass (by default on for Flex.1 only); a bypass is
         refused for a base without the embedding, and a training value together with the bypass."""
         super().use_training_guidance(scale, bypass)
-        bypass = self.flex if bypass is None else bypass
+        requested, bypass = bypass, self.flex if bypass is None else bypass
         if bypass and not self.guidance_embeds:
-            raise ValueError(f"train.bypass_guidance_embedding: {self.source} has no guidance embedding (a FLUX.1 "
-                             "[schnell] layout); remove it")
+            raise UserError(f"train.bypass_guidance_embedding: {self.source} has no guidance embedding (a FLUX.1 "
+                            "[schnell] layout); remove it")
         if bypass and scale is not None:
-            raise ValueError(f"train.guidance_scale {scale}: {self.source} is a Flex.1 base, trained without its "
-                             "guidance embedding (train.bypass_guidance_embedding is on by default for it), so the "
-                             "value would not be used; remove it, or set train.bypass_guidance_embedding: false")
+            raise UserError(f"train.guidance_scale {scale}: {self.source} is a Flex.1 base, trained without its "
+                            "guidance embedding (train.bypass_guidance_embedding is on by default for it), so the "
+                            "value would not be used; remove it, or set train.bypass_guidance_embedding: false")
+        if is_pruned(self.transformer.config) and not self.flex and requested is None:
+            log.info("%s has a pruned FLUX.1 layout (%d double-stream blocks, as Flex.1 and FLUX.1-Lite) without Flex "
+                     "in its name: its guidance embedding is fed in training, as for [dev]; set "
+                     "train.bypass_guidance_embedding: true for a Flex.1 base", self.source,
+                     self.transformer.config.num_layers)
         self.set_guidance_bypass(bypass)
 
     def set_guidance_bypass(self, bypass: bool) -> None:
         if bypass:
             bypass_guidance_embedding(self.transformer)
         self.bypass_guidance = bypass
+
+    def modules_without_gradients(self) -> list[str]:
+        """With the bypass, the guidance embedding takes no part in training: a LoRA there would get no gradient."""
+        return ["time_text_embed.guidance_embedder"] if self.bypass_guidance else []
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer
@@ -382,10 +397,17 @@ def has_guidance_weights(path: str) -> bool:
     return any("guidance_in." in key or "guidance_embedder." in key for key in key_names(Path(path)))
 
 
-def is_flex(config) -> bool:
-    """Flex.1 from a FLUX.1-layout transformer's config: a guidance embedding and fewer than half as many
-    double-stream as single-stream blocks (Flex.1: 8 and 38; FLUX.1 [dev] and [schnell]: 19 and 38)."""
+def is_pruned(config) -> bool:
+    """A FLUX.1-layout transformer with a guidance embedding and fewer than half as many double-stream as
+    single-stream blocks (Flex.1 and FLUX.1-Lite: 8 and 38; FLUX.1 [dev] and [schnell]: 19 and 38)."""
     return bool(config.guidance_embeds) and 2 * config.num_layers < config.num_single_layers
+
+
+def is_flex(config, source: str) -> bool:
+    """Flex.1: the pruned layout (`is_pruned`) with Flex in the base's name (the last part of its hub id, folder or
+    file: ostris/Flex.1-alpha); its block counts alone do not tell it from FLUX.1-Lite, whose guidance embedding is
+    meant to be used."""
+    return is_pruned(config) and "flex" in Path(str(source)).name.lower()
 
 
 class GuidanceBypassEmbeddings(CombinedTimestepGuidanceTextProjEmbeddings):
