@@ -34,12 +34,14 @@ from toolkit.network.metadata import TrainingFacts, lora_metadata, reduce_path, 
 from toolkit.paths import normalize_path
 from toolkit.run.accelerator import RunAccelerator
 from toolkit.run.checkpoint import Checkpoints, TrainedParts
+from toolkit.run.faults import Faults
 from toolkit.run.folder import RunFolder
 from toolkit.run.monitor import Monitor, UpdateValues
 from toolkit.run.sampling import Sampler, SampleRenderer, cuda_devices
 from toolkit.run.signals import GracefulStop
 from toolkit.train.ema import LoraEMA
 from toolkit.train.lr_schedulers import build_lr_scheduler
+from toolkit.train.nonfinite import NonFiniteWatch, RunFacts
 from toolkit.train.objective import DiffusionObjective, StepDraw
 from toolkit.train.optimizers import (
     build_optimizer,
@@ -67,6 +69,8 @@ class BaseSDTrainProcess(BaseProcess):
         not written as a subclass."""
         super().__init__(job, index, config)
         self.make_objective = objective
+        #: faults the tests inject (DIFFTUNE_TEST_FAULTS; none in a real run)
+        self.faults = Faults.from_env()
 
     def run(self) -> None:
         cfg = self.config
@@ -334,6 +338,7 @@ class BaseSDTrainProcess(BaseProcess):
         for module in self.trained_modules:
             module.train()
         start_training(self.optimizer)
+        self.nonfinite = self.make_nonfinite_watch()
         if self.ema is not None:
             self.ema.begin(self.position.global_step)
         with GracefulStop() as signal:  # from the start: a Ctrl-C during the step-0 samples stops cleanly too
@@ -351,16 +356,31 @@ class BaseSDTrainProcess(BaseProcess):
                     return self.stop_with_checkpoint()
         self.monitor.close_progress()
 
+    def make_nonfinite_watch(self) -> NonFiniteWatch:
+        cfg = self.config
+        facts = RunFacts(lr=cfg.train.lr, optimizer=cfg.train.optimizer, max_grad_norm=cfg.train.max_grad_norm,
+                         train_dtype=self.precision.mixed_precision,
+                         model_dtype={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.precision.base, "fp32"),
+                         arch=cfg.model.arch, resumed_at=self.position.global_step)
+        return NonFiniteWatch(cfg.train.on_nan, cfg.train.max_skipped_updates, facts, self.position.skipped_updates)
+
+    def batch_files(self, batch: dict) -> list[str]:
+        """The files of a micro-batch's samples (host data: nothing waits)."""
+        items = self.data.dataset.items
+        return [str(items[index].record.path) for index in batch["indices"]]
+
     def train_epoch(self, batches: Iterator[dict], signal: GracefulStop) -> bool:
         """The micro-batches of one epoch, taken from the run's `batches`; True when the run stops. Nothing here
         reads a value back from the device except a logged update (and the progress bar, at most once a second), so
         the host keeps queueing work."""
         pos = self.position
         window: list[dict[str, torch.Tensor]] = []
+        files: list[str] = []
         samples = 0
         for micro_batch, batch in self.data.epoch_batches(batches, pos):
             pos.micro_batch_in_epoch = micro_batch + 1
             samples += len(batch["indices"])
+            files += self.batch_files(batch)
             ends_update = self.plan.ends_update(micro_batch)
             with self.gradient_sync(ends_update):
                 loss, parts = self.train_step(batch, pos.epoch, micro_batch)
@@ -368,12 +388,14 @@ class BaseSDTrainProcess(BaseProcess):
             window.append({"loss": loss.detach(), **parts})
             if not ends_update:
                 continue
-            update = self.optimizer_update(window)
+            update = self.optimizer_update(window, files)
             self.monitor.throughput.count(samples, completed=update is not None)
-            window, samples = [], 0
+            window, files, samples = [], [], 0
             if update is None:
                 continue
             evaluated = self.validate() if self.validation_due(update.step) else None
+            if self.monitor.logs(update.step, evaluated):
+                self.nonfinite.check(self.position.global_step)  # the logged update reads the device anyway
             self.monitor.after_update(update, lambda: self.optimizer_readings(update), evaluated)
             self.scheduled_outputs(update.step)
             if pos.global_step >= self.plan.total_updates:
@@ -400,7 +422,8 @@ class BaseSDTrainProcess(BaseProcess):
         result = self.objective.loss(batch, self.data.embeds_for(batch, epoch), at)
         if self.monitor.timestep_stats is not None:
             self.monitor.timestep_stats.add(result.u, result.per_sample)
-        return result.loss, result.parts
+        loss = self.faults.loss(result.loss, epoch * self.plan.micro_batches_per_epoch + micro_batch + 1)
+        return loss, result.parts
 
     def backward(self, loss: torch.Tensor, micro_batch: int) -> None:
         """The micro-batch's gradients: its loss divided by the size of its accumulation window (every window has
@@ -415,36 +438,65 @@ class BaseSDTrainProcess(BaseProcess):
         else:
             loss.backward()
 
-    def optimizer_update(self, window: list[dict[str, torch.Tensor]]) -> UpdateValues | None:
-        """Clip, step the optimizer and (once) the LR scheduler. None when the optimizer skipped the step (fp16
-        only: reading that flag is the one per-update wait for the device that GradScaler needs)."""
+    def optimizer_update(self, window: list[dict[str, torch.Tensor]], files: list[str]) -> UpdateValues | None:
+        """Clip, step the optimizer and (once) the LR scheduler. None when the update was dropped: by fp16's
+        GradScaler (reading that flag is the one per-update wait for the device that GradScaler needs), or for
+        non-finite values with `train.on_nan: skip` (its one wait per update)."""
         acc = self.accelerator
         if self.text_params and acc.num_processes > 1:
             self.average_text_encoder_grads()
         grad_norm = self.clip_gradients()
+        names, values = self.update_values(window, grad_norm)
+        scaled = acc.scaler is not None  # fp16: an overflowed gradient is the scaler's to skip, not on_nan's
+        watched = len(names) - 1 if scaled else len(names)
+        if self.nonfinite.skipping:
+            bad = self.nonfinite.non_finite(names[:watched], values[:watched])
+            if bad:
+                self.stepper.zero_grad(set_to_none=True)
+                return self.skip_update(bad, files)
         lr, *others = self.lr_scheduler.get_last_lr()
         self.text_encoder_lr = others[0] if others else None
         self.step_figures = optimizer_figures(self.optimizer)  # before the step: Prodigy's d for this update
         self.stepper.step()
         self.stepper.zero_grad(set_to_none=True)
         if acc.optimizer_step_was_skipped:
+            # the device was read for that flag: whether the loss itself was finite costs no further wait
+            bad = self.nonfinite.non_finite(names[:watched], values[:watched])
+            if bad:
+                self.nonfinite.watch(self.position.global_step + 1, names[:watched], values[:watched], files)
+                self.nonfinite.check(self.position.global_step)
             log.warning("optimizer step skipped (non-finite gradients); the LR schedule does not advance")
             return None
         self.lr_scheduler.step()
         self.position.global_step += 1
         if self.ema is not None:
             self.ema.after_update(self.position.global_step)
+        self.nonfinite.watch(self.position.global_step, names[:watched], values[:watched], files)
+        return UpdateValues(self.position.global_step, self.position.epoch, lr, names, values)
+
+    def update_values(self, window: list[dict[str, torch.Tensor]], grad_norm) -> tuple[list[str], torch.Tensor]:
+        """The update's loss parts (means over its micro-batches and processes) and gradient norm, float32, on the
+        device: nothing waits."""
+        acc = self.accelerator
         names = list(window[0]) + ["grad_norm"]
         if (acc.num_processes == 1 and len(window) == 1 and isinstance(grad_norm, torch.Tensor)
                 and grad_norm.device == window[0]["loss"].device):  # torch gives a CPU 0 where nothing had gradients
             # one micro-batch's values are its means: one stack with the norm, no mean, reduction or join
-            values = as_dtype(torch.stack([*window[0].values(), grad_norm]), torch.float32)  # promoted to one dtype
-            return UpdateValues(self.position.global_step, self.position.epoch, lr, names, values)
+            return names, as_dtype(torch.stack([*window[0].values(), grad_norm]), torch.float32)
         means = window_means(window)
         if acc.num_processes > 1:
             means = acc.reduce(means, reduction="mean")  # one collective, queued like the rest
         grad_norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=means.device).reshape(1)
-        return UpdateValues(self.position.global_step, self.position.epoch, lr, names, torch.cat([means, grad_norm]))
+        return names, torch.cat([means, grad_norm])
+
+    def skip_update(self, bad: list[str], files: list[str]) -> None:
+        """An update dropped for non-finite values (`train.on_nan: skip`): no optimizer or LR step, not counted;
+        logged, and counted in metrics.jsonl and the checkpoint (the run stops past train.max_skipped_updates)."""
+        step = self.position.global_step + 1
+        log.warning("%s", self.nonfinite.skipped_one(step, bad, files))
+        self.position.skipped_updates = self.nonfinite.skipped
+        self.monitor.log_skipped(step, self.position.epoch, self.nonfinite.skipped)
+        return None
 
     def clip_gradients(self) -> torch.Tensor:
         """The gradients' total norm (a device value), the gradients clipped to `train.max_grad_norm` (0: not
@@ -497,6 +549,7 @@ class BaseSDTrainProcess(BaseProcess):
         if self.config.save.save_every and step % self.config.save.save_every == 0:
             self.save_checkpoint()
         if self.config.sample.sample_every and step % self.config.sample.sample_every == 0:
+            self.nonfinite.check(self.position.global_step)
             self.monitor.sample(step)
 
     def act_on(self, decision) -> bool:
@@ -517,6 +570,8 @@ class BaseSDTrainProcess(BaseProcess):
     # ---- outputs -------------------------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
+        """A checkpoint of the current state; never of weights a non-finite update reached (`train.on_nan`)."""
+        self.nonfinite.check(self.position.global_step)
         flush()
         folder = self.checkpoints.save(self.position)
         if self.accelerator.is_main_process:
@@ -534,6 +589,7 @@ class BaseSDTrainProcess(BaseProcess):
 
     def finish(self) -> None:
         step = self.position.global_step
+        self.nonfinite.check(step)  # the final files are never of weights a non-finite update reached
         if self.checkpoints.last_saved_step != step:
             self.save_checkpoint()
         if self.accelerator.is_main_process:

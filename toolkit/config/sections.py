@@ -331,6 +331,14 @@ class RuntimeSection(Section):
         "flips are still drawn every time. The first images that fit are kept; loader workers (`num_workers`) keep "
         "none, they decode ahead of the loop instead. 0: decode every time. Samples with cached latents read their "
         "image only for a variant the cache has no entry for yet.")
+    on_nan: Literal["stop", "skip"] = Field(
+        "stop", description="A non-finite loss or gradient: `stop` ends the run, writing nothing over the last "
+        "checkpoint, and names the update, its files and the likely cause (read at logged updates and saves: no "
+        "extra wait for the device); `skip` drops the update (no optimizer or LR step, not counted toward "
+        "train.steps; one wait for the device per update) and counts it in metrics.jsonl. fp16's own overflow "
+        "skips are neither.")
+    max_skipped_updates: int = Field(10, ge=1, description="on_nan: skip: the run stops after this many skipped "
+                                     "updates in total (resumes included).")
     persistent_workers: bool = Field(True, description="Keep the DataLoader workers for a further pass of the "
                                      "loader. A run's loader makes one pass over all of its epochs, so its workers "
                                      "live from the first epoch to the last either way; kept for configs from other "

@@ -66,6 +66,8 @@ class TrainState:
     ranks: list = field(default_factory=list)
     #: when the run's first start began (unix time), carried across resumes; 0 in checkpoints that predate it
     started_at: float = 0.0
+    #: updates dropped for non-finite values before this checkpoint (`train.on_nan: skip`)
+    skipped_updates: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -294,7 +296,7 @@ class Checkpoints:
             world_size=self.accelerator.num_processes, lr=lr, config_fingerprint=fingerprint(self.config),
             config=self.config, versions=library_versions(),
             ranks=gather_object([{"rank": rank, "global_step": position.global_step, "lr": lr}]),
-            started_at=self.started_at,
+            started_at=self.started_at, skipped_updates=position.skipped_updates,
         )
 
     def write_payload(self, folder: Path, step: int) -> None:
@@ -322,7 +324,7 @@ class Checkpoints:
             log.warning("the checkpoint was written by %d processes, this run has %d: the LR continues at step %d, "
                         "but the data order from here differs from an uninterrupted run", state.world_size, world,
                         state.global_step)
-        saved = Position(state.global_step, state.epoch, state.micro_batch_in_epoch)
+        saved = Position(state.global_step, state.epoch, state.micro_batch_in_epoch, state.skipped_updates)
         position = resumed_position(saved, state.world_size, world, micro_batches_per_epoch, gradient_accumulation)
         self.fast_forward_lr_scheduler(state)
         same_world = state.world_size == world

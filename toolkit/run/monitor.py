@@ -152,8 +152,7 @@ class Monitor:
         # kept as they are until the next host read: no device operation per update for the smoothed loss (the
         # bar's, and every metrics line's `smoothed_loss`, with or without a bar)
         self.unread_losses.append((update.values, update.names.index("loss")))
-        logged = (update.step % self.cfg.log_every == 0 or update.step == self.plan.total_updates
-                  or evaluated is not None)
+        logged = self.logs(update.step, evaluated)
         postfix_due = shown and time.monotonic() - self.postfix_shown_at >= 1.0
         if logged or postfix_due:
             record = self.host_record(update, readings()) | (evaluated or {})
@@ -166,6 +165,18 @@ class Monitor:
         if self.progress is not None:
             self.progress.update(1)
         self.status.heartbeat(update.step)
+
+    def logs(self, step: int, evaluated: dict[str, float] | None = None) -> bool:
+        """Whether the update at `step` gets a metrics line (and so reads its values from the device)."""
+        return step % self.cfg.log_every == 0 or step == self.plan.total_updates or evaluated is not None
+
+    def log_skipped(self, step: int, epoch: int, skipped: int) -> None:
+        """The metrics line of an update dropped for non-finite values (`train.on_nan: skip`): `step` is the update
+        it would have been, so a resumed run that meets it again writes it once."""
+        record = {"step": step, "epoch": epoch, "skipped_update": 1, "skipped_updates": skipped}
+        self.metrics.write(record)
+        if self.cfg.tensorboard:
+            self.accelerator.log({"skipped_updates": skipped}, step=step)
 
     def host_record(self, update: UpdateValues, readings: dict) -> dict:
         """The update's values on the host (one transfer, which waits for the device), with the LR it used and

@@ -133,6 +133,8 @@ class Position:
     global_step: int = 0
     epoch: int = 0
     micro_batch_in_epoch: int = 0
+    #: updates dropped for non-finite values so far (`train.on_nan: skip`), resumes included
+    skipped_updates: int = 0
 
 
 def resumed_position(saved: Position, saved_world_size: int, world_size: int, micro_batches_per_epoch: int,
@@ -144,4 +146,4 @@ def resumed_position(saved: Position, saved_world_size: int, world_size: int, mi
         consumed = consumed * saved_world_size // world_size // gradient_accumulation * gradient_accumulation
     if consumed >= micro_batches_per_epoch:
         epoch, consumed = epoch + 1, 0
-    return Position(saved.global_step, epoch, consumed)
+    return Position(saved.global_step, epoch, consumed, saved.skipped_updates)

@@ -1,0 +1,146 @@
+"""When a run goes wrong it says what happened and loses nothing. Faults are injected inside the real trainer
+(`DIFFTUNE_TEST_FAULTS`, toolkit/run/faults.py: a test hook in the code path, not a mock of it): non-finite losses
+with `train.on_nan: stop` and `skip`."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from helpers import QUICKSTART_DATA, assert_same_training, straight_and_resumed, trainer_process, write_job
+
+import run
+from toolkit.run.checkpoint import OPTIMIZER_FILE
+from toolkit.run.faults import ENV, Faults
+from toolkit.run.metrics import read_metrics
+from toolkit.train.nonfinite import NonFiniteWatch, RunFacts, likely_causes
+
+FACTS = RunFacts(lr=1e-4, optimizer="adamw", max_grad_norm=1.0, train_dtype="no", model_dtype="fp32", arch="sd15",
+                 resumed_at=0)
+
+
+def run_with_faults(monkeypatch, tmp_path, spec: str, name: str, **overrides) -> int:
+    monkeypatch.setenv(ENV, spec)
+    return run.main([str(write_job(tmp_path / f"{name}.yaml", name, trainer_process(tmp_path, **overrides)))])
+
+
+def checkpoint_steps(run_dir) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+def test_faults_parse_and_act_only_where_listed():
+    faults = Faults.parse("nan_loss@3, oom@sampling")
+    loss = torch.tensor(0.5)
+    assert faults.loss(loss, 2) is loss and torch.isnan(faults.loss(loss, 3))
+    faults.phase("training")
+    with pytest.raises(torch.OutOfMemoryError, match="sampling"):
+        faults.phase("sampling")
+    assert Faults.parse("") == Faults()
+    with pytest.raises(ValueError, match="nan_loss@N"):
+        Faults.parse("nan@3")
+
+
+def test_a_nan_loss_stops_the_run_at_the_next_read_and_keeps_the_last_checkpoint(monkeypatch, tmp_path, caplog):
+    """on_nan stop (the default): micro-batch 3 makes update 3 NaN; the flags wait on the device until the next
+    save (update 4, no metrics line before it), which is refused: the checkpoint of update 2 stays the newest, bit
+    for bit the clean run's, and the message names the update, its two files, the values and the likely causes."""
+    caplog.set_level(logging.INFO, logger="difftune")
+    clean = run_with_faults(monkeypatch, tmp_path, "", "clean", train={"steps": 2},
+                            save={"save_every": 2}, logging={"log_every": 10})
+    assert clean == 0
+    code = run_with_faults(monkeypatch, tmp_path, "nan_loss@3", "nan", train={"steps": 6},
+                           save={"save_every": 2}, logging={"log_every": 10})
+    assert code == 1
+    folder = tmp_path / "output" / "nan"
+    assert checkpoint_steps(folder) == [2] and not (folder / "nan.safetensors").exists()
+    assert not list((folder / "checkpoints").glob(".tmp*"))
+    from safetensors.torch import load_file
+
+    ours = load_file(str(folder / "checkpoints" / "step_000000002" / "lora.safetensors"))
+    theirs = load_file(str(tmp_path / "output" / "clean" / "checkpoints" / "step_000000002" / "lora.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    message = next(r.message for r in caplog.records if "non-finite" in r.message)
+    assert message.startswith("update 3: non-finite loss, grad_norm (train.on_nan: stop)")
+    named = [part for part in message.split("the batch's files: ")[1].split("\n")[0].split(", ")]
+    assert len(named) == 2 and all((QUICKSTART_DATA / p.split("/")[-1]).is_file() for p in named)
+    assert "found at update 4" in message and "the weights diverged" in message
+    status = json.loads((folder / "status.json").read_text())
+    assert status["state"] == "failed" and "update 3" in status["last_error"]
+
+
+def test_on_nan_skip_drops_the_update_and_counts_it(monkeypatch, tmp_path, caplog):
+    """on_nan skip: the NaN update takes no optimizer step and no LR step and does not count toward train.steps;
+    metrics.jsonl says so; the LR of every update is the schedule's for that update; Adam stepped 5 times."""
+    caplog.set_level(logging.WARNING, logger="difftune")
+    code = run_with_faults(monkeypatch, tmp_path, "nan_loss@3", "skip",
+                           train={"steps": 5, "on_nan": "skip", "lr_scheduler": "linear", "lr": 1e-3})
+    assert code == 0
+    folder = tmp_path / "output" / "skip"
+    records = read_metrics(folder / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    assert [(r["step"], r["skipped_updates"]) for r in records if "skipped_update" in r] == [(3, 1)]
+    lrs = [r["lr"] for r in records if "loss" in r]
+    assert lrs == pytest.approx([1e-3 * (1 - k / 5) for k in range(5)])  # linear decay by real updates
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r)
+    state = torch.load(folder / "checkpoints" / "step_000000005" / OPTIMIZER_FILE, weights_only=False)["state"]
+    assert {int(s["step"]) for s in state.values()} == {5}
+    assert any("update 3: non-finite loss" in r.message and "skipped" in r.message for r in caplog.records)
+    train_state = json.loads((folder / "checkpoints" / "step_000000005" / "train_state.json").read_text())
+    assert train_state["skipped_updates"] == 1
+
+
+@pytest.mark.slow
+def test_a_skipped_update_resumes_exactly(monkeypatch, tmp_path):
+    """A run that skips update 5's NaN batch, straight through and stopped by Ctrl-C after update 3 then resumed:
+    the same updates, losses, LRs, skip line and final LoRA, bit for bit."""
+    monkeypatch.setenv(ENV, "nan_loss@5")
+    process = trainer_process(tmp_path, train={"steps": 6, "on_nan": "skip", "lr_scheduler": "cosine"})
+    straight, resumed = straight_and_resumed(tmp_path, process)
+    assert_same_training(straight, resumed)
+    assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl") if "skipped_update" in r] == [5]
+
+
+def test_the_run_stops_past_max_skipped_updates(monkeypatch, tmp_path, caplog):
+    caplog.set_level(logging.ERROR, logger="difftune")
+    code = run_with_faults(monkeypatch, tmp_path, "nan_loss@2,nan_loss@3", "many",
+                           train={"steps": 5, "on_nan": "skip", "max_skipped_updates": 1})
+    assert code == 1
+    assert any("more than train.max_skipped_updates (1)" in r.message for r in caplog.records)
+    assert not (tmp_path / "output" / "many" / "many.safetensors").exists()
+
+
+def test_fp16_scaler_skips_are_not_on_nan_events_but_a_nan_loss_is(monkeypatch, tmp_path, caplog):
+    """fp16 on the CPU uses a GradScaler, whose overflow skips are no on_nan events (the run trains to the end); a
+    NaN loss under fp16 stops the run at once (the scaler's skip read the device already), saying fp16 is a likely
+    cause."""
+    caplog.set_level(logging.ERROR, logger="difftune")
+    assert run_with_faults(monkeypatch, tmp_path, "", "fp16", train={"steps": 3, "dtype": "fp16"}) == 0
+    code = run_with_faults(monkeypatch, tmp_path, "nan_loss@2", "fp16nan", train={"steps": 3, "dtype": "fp16"})
+    assert code == 1
+    message = next(r.message for r in caplog.records if "non-finite" in r.message)
+    assert "non-finite loss" in message and "grad_norm" not in message.split("\n")[0] and "bf16" in message
+
+
+def test_likely_causes_follow_the_configuration():
+    assert "fp16 overflows" in likely_causes(RunFacts(**{**FACTS.__dict__, "train_dtype": "fp16"}), 5, ["loss"])[0]
+    assert "the gradients overflowed" in likely_causes(FACTS, 5, ["grad_norm"])[0]
+    assert "the first update of this run" in likely_causes(FACTS, 1, ["loss", "grad_norm"])[0]
+    high = likely_causes(RunFacts(**{**FACTS.__dict__, "lr": 5e-3, "max_grad_norm": 0.0}), 9, ["loss"])
+    assert any("is high for adamw" in c for c in high) and any("not clipped" in c for c in high)
+    resumed = RunFacts(**{**FACTS.__dict__, "resumed_at": 100})
+    assert "the first update of this run" in likely_causes(resumed, 101, ["loss"])[0]
+
+
+def test_the_stop_watch_reads_the_device_only_when_checked():
+    """watch() keeps device flags and never reads them; check() reads all of them at once."""
+    watch = NonFiniteWatch("stop", 10, FACTS)
+    values = torch.tensor([0.1, float("nan")])
+    watch.watch(1, ["loss", "grad_norm"], torch.tensor([0.1, 0.2]), ["a.png"])
+    watch.watch(2, ["loss", "grad_norm"], values, ["b.png"])
+    assert len(watch.pending) == 2 and all(isinstance(w.finite, torch.Tensor) for w in watch.pending)
+    with pytest.raises(Exception, match=r"update 2: non-finite grad_norm[\s\S]*b\.png"):
+        watch.check(2)
+    assert watch.pending == []
+    watch.check(3)  # nothing pending: nothing read
