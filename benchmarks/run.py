@@ -23,6 +23,9 @@ update, unless --device cuda says otherwise):
   workers and with `--workers` of them, and of the latter, the part before a worker had the batch ready (its
   stamp) rather than the hand-over after it;
 - cache speed-up: seconds per update with the encoders live vs with latent and text-embedding caches;
+- `train.on_nan: skip`'s cost: the cached loop's seconds per update with `skip` (one read of the device per update)
+  over `stop` (no read beyond the logged updates'), their rounds alternated on one trainer; on a CPU, where nothing
+  runs ahead of the host, it is near 1 by construction: the figure that matters is `--device cuda`'s;
 - start-up: seconds for the imports, the model load and the caches before the first update, and from
   `python run.py` on the quickstart job to its first update (a fresh process, outside clock);
 - data loading: images per second through decode, bucket and crop with 0 and 2 workers;
@@ -516,6 +519,26 @@ def cached_figures(trainer, settings: Settings) -> dict:
             "vs_plain_encoded": ratio(rounds["difftune"], rounds["plain_encoded"])}
 
 
+def nan_skip_figures(trainer, settings: Settings) -> dict:
+    """`train.on_nan: skip` over `stop` on the cached loop: rounds of each in turn on the same trainer (the watch is
+    built from the config at the start of each round), with metrics lines only at a round's end: a logged update
+    reads the device in either mode, so a line every update would hide what skip adds."""
+    loop, updates = DifftuneLoop(trainer), updates_per_round(trainer, settings)
+    results: dict[str, list[tuple]] = {"stop": [], "skip": []}
+    logging_cfg, every = trainer.monitor.cfg, trainer.monitor.cfg.log_every
+    object.__setattr__(logging_cfg, "log_every", 10**9)
+    try:
+        for number in range(max(2, settings.rounds // 3)):
+            for mode in (("stop", "skip") if number % 2 == 0 else ("skip", "stop")):
+                object.__setattr__(trainer.config.train, "on_nan", mode)
+                results[mode].append(loop.round(updates).steady(settings.warmup))
+    finally:
+        object.__setattr__(trainer.config.train, "on_nan", "stop")
+        object.__setattr__(logging_cfg, "log_every", every)
+    return {"loops": {mode: loop_figures(r) for mode, r in results.items()},
+            "skip_vs_stop": ratio(results["skip"], results["stop"])}
+
+
 def own_time(trainer, loop: DifftuneLoop, warmup: int) -> dict | None:
     """difftune's own metrics.jsonl `time` (mean) over the timed updates of the loop's last round, beside the
     harness's clock for them: they agree when the harness measures what a run reports (a round that ran alone)."""
@@ -597,6 +620,7 @@ def measure(settings: Settings, device: str, compile_backend: str | None = None,
         results["startup"] |= {"model_load_s": timings["load_model"], "caching_s": timings["build_caches"]}
         results["memory_after_setup"] = memory()
         results["cached"] = cached_figures(cached, settings)
+        results["on_nan_skip"] = nan_skip_figures(cached, settings)
         results["memory_after_training"] = memory()
         close(cached)
         live = ready_trainer(Path(tmp) / "live", False, device, settings)
@@ -724,6 +748,7 @@ def table(results: dict) -> str:
         f"uncached vs plain (a), files every step: {ratio_text(u['vs_plain_files'])}",
         f"uncached vs plain (b), pixels and ids in memory: {ratio_text(u['vs_plain_memory'])}",
         f"cached vs plain (c), latents and embeddings in memory: {ratio_text(c['vs_plain_encoded'])}",
+        f"train.on_nan skip vs stop, cached: {ratio_text(results['on_nan_skip']['skip_vs_stop'])}",
     ]
     return "\n".join(lines)
 

@@ -67,6 +67,9 @@ def test_benchmark_figures_come_out(figures):
     assert "uncached alone, difftune workers 1: wait for batches not yet made" in text
     assert f"cached vs plain (c), latents and embeddings in memory: {cached['vs_plain_encoded']['median']:.3f}" in text
     assert re.search(r"plain loops' AdamW +torch's defaults", text)
+    skip = figures["on_nan_skip"]  # both modes ran their rounds, turn about
+    assert skip["skip_vs_stop"]["rounds"] == 2 and all(v["s_per_update"] > 0 for v in skip["loops"].values())
+    assert f"train.on_nan skip vs stop, cached: {skip['skip_vs_stop']['median']:.3f}" in text
 
 
 @pytest.mark.slow
