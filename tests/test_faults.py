@@ -31,9 +31,12 @@ def checkpoint_steps(run_dir) -> list[int]:
 
 
 def test_faults_parse_and_act_only_where_listed():
-    faults = Faults.parse("nan_loss@3, oom@sampling")
+    faults = Faults.parse("nan_loss@3, oom@sampling, memory@training:2")
     loss = torch.tensor(0.5)
     assert faults.loss(loss, 2) is loss and torch.isnan(faults.loss(loss, 3))
+    faults.phase("training")
+    with pytest.raises(MemoryError):
+        faults.phase("training")  # its second entry
     faults.phase("training")
     with pytest.raises(torch.OutOfMemoryError, match="sampling"):
         faults.phase("sampling")
@@ -144,3 +147,71 @@ def test_the_stop_watch_reads_the_device_only_when_checked():
         watch.check(2)
     assert watch.pending == []
     watch.check(3)  # nothing pending: nothing read
+
+
+# ---- out of memory ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, phase_words, suggestion, checkpoint", [
+    ("oom@loading", "accelerator memory while loading the model", None, None),
+    ("oom@caching", "while caching latents and text embeddings", "cache_latents_to_disk", None),
+    ("oom@training:3", "while training (update 3, bucket 64x64, 2 per micro-batch)",
+     "train.gradient_checkpointing: true", 2),
+    ("memory@training:3", "out of host memory while training", "train.batch_size: 1", 2),
+    ("oom@saving:2", "while saving a checkpoint", "free host memory", 2),
+    ("oom@final", "while writing the final LoRA files", "fewer save.formats", 4),
+])
+def test_out_of_memory_in_each_phase_is_one_message_and_keeps_the_checkpoint(
+        monkeypatch, tmp_path, caplog, spec, phase_words, suggestion, checkpoint):
+    """An out-of-memory error raised where the run enters a phase: one message naming the phase (in training the
+    update, bucket and batch), the memory figures and what would lower it; the run stops with its last checkpoint
+    complete (and said so), nothing partial under a final name."""
+    caplog.set_level(logging.ERROR, logger="difftune")
+    code = run_with_faults(monkeypatch, tmp_path, spec, "oom", train={"steps": 4}, save={"save_every": 2})
+    assert code == 1
+    message = next(r.message for r in caplog.records if "memory while" in r.message)
+    assert phase_words in message and "memory now: process:" in message and "MemoryError" not in message
+    if suggestion:
+        assert suggestion in message
+    folder = tmp_path / "output" / "oom"
+    if checkpoint:
+        assert checkpoint_steps(folder)[-1] == checkpoint and f"checkpoint of update {checkpoint} is complete" in message
+    assert not list((folder / "checkpoints").glob(".tmp*")) if (folder / "checkpoints").exists() else True
+    assert not (folder / "oom.safetensors").exists()
+    assert json.loads((folder / "status.json").read_text())["state"] == "failed"
+
+
+def test_running_out_of_memory_while_sampling_skips_the_samples_and_trains_on(monkeypatch, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="difftune")
+    code = run_with_faults(monkeypatch, tmp_path, "oom@sampling", "samples", train={"steps": 2},
+                           sample={"prompts": ["shp"], "sample_every": 2, "sample_at_start": True, "width": 64,
+                                   "height": 64, "sample_steps": 2})
+    assert code == 0
+    assert any("samples of step 0 skipped; training goes on" in r.message and "sample.width" in r.message
+               for r in caplog.records)
+    folder = tmp_path / "output" / "samples"
+    assert (folder / "samples.safetensors").exists()
+    assert [p.name for p in (folder / "samples").glob("*.png")] and not list((folder / "samples").glob("*000000000*"))
+
+
+def test_memory_suggestions_are_ranked_by_what_they_would_save():
+    from toolkit.run.out_of_memory import JobMemory, out_of_memory_message, suggestions
+
+    job = JobMemory(denoiser_bytes=8 * 2**30, text_encoder_bytes=4 * 2**30, image_encoder_bytes=2**28,
+                    has_quantize=True, quantized=False, has_low_vram=True, low_vram=False,
+                    gradient_checkpointing=False, batch_size=4, resolution=1024, cache_latents=False,
+                    cache_text=False, sample_size=(1024, 1024), on_accelerator=True)
+    ranked = suggestions("training", job, used=30 * 2**30)  # 30 GiB in use: about 17.75 GiB of activations
+    savings = [s for s, _ in ranked]
+    assert savings == sorted(savings, reverse=True)
+    assert ranked[0][1].startswith("train.batch_size: 1") and ranked[1][1].startswith("train.gradient_checkpointing")
+    assert any(text.startswith("model.quantize: true") for _, text in ranked)
+    done = JobMemory(**{**job.__dict__, "gradient_checkpointing": True, "batch_size": 1, "quantized": True,
+                        "low_vram": True})
+    assert [text.split(":")[0] for _, text in suggestions("training", done, used=30 * 2**30)] == [
+        "datasets[].resolution"]
+    figures = {"allocated": 30 * 2**30, "reserved": 31 * 2**30, "peak": 31 * 2**30, "free": 2**29,
+               "total": 32 * 2**30, "rss": 6 * 2**30}
+    text = out_of_memory_message("training", "bucket 1024x1024", job, torch.OutOfMemoryError("x"), figures)
+    assert text.startswith("out of accelerator memory while training (bucket 1024x1024).")
+    assert "30.0 GiB allocated, 31.0 GiB reserved, peak 31.0 GiB, 0.5 GiB free of 32.0 GiB" in text

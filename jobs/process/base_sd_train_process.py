@@ -37,6 +37,7 @@ from toolkit.run.checkpoint import Checkpoints, TrainedParts
 from toolkit.run.faults import Faults
 from toolkit.run.folder import RunFolder
 from toolkit.run.monitor import Monitor, UpdateValues
+from toolkit.run.out_of_memory import JobMemory, OutOfMemory, is_out_of_memory, module_bytes, out_of_memory_message
 from toolkit.run.sampling import Sampler, SampleRenderer, cuda_devices
 from toolkit.run.signals import GracefulStop
 from toolkit.train.ema import LoraEMA
@@ -71,6 +72,11 @@ class BaseSDTrainProcess(BaseProcess):
         self.make_objective = objective
         #: faults the tests inject (DIFFTUNE_TEST_FAULTS; none in a real run)
         self.faults = Faults.from_env()
+        #: the phase the run is in (toolkit.run.out_of_memory.PHASES), for an out-of-memory message; left as it was
+        #: when an error leaves it
+        self.phase = "loading"
+        #: the sample indices of the last micro-batch taken (host data), for the same message
+        self.last_indices: list[int] = []
 
     def run(self) -> None:
         cfg = self.config
@@ -94,10 +100,56 @@ class BaseSDTrainProcess(BaseProcess):
         except StopRequested:
             raise
         except BaseException as error:
+            if is_out_of_memory(error) and not isinstance(error, OutOfMemory):
+                stop = OutOfMemory(self.out_of_memory_message(error))
+                self.monitor.failed(stop, self.position.global_step)
+                raise stop from error
             self.monitor.failed(error, self.position.global_step)
             raise
         finally:
             self.close()
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str, inject: bool = True) -> Iterator[None]:
+        """The run in phase `name` for the block (an error leaves it there, for the message that names it)."""
+        before, self.phase = self.phase, name
+        if inject:
+            self.faults.phase(name)
+        yield
+        self.phase = before
+
+    def job_memory(self) -> JobMemory:
+        """What an out-of-memory message weighs, from the config and whatever of the model has loaded."""
+        cfg = self.config
+        adapter = getattr(self, "adapter", None)
+        fields = type(cfg.model).model_fields
+        sizes = (0, 0, 0) if adapter is None else (
+            module_bytes([adapter.trainable_module()]), module_bytes(adapter.text_encoder_modules()),
+            module_bytes(adapter.image_encoder_modules()))
+        return JobMemory(
+            *sizes, has_quantize="quantize" in fields, quantized=bool(getattr(cfg.model, "quantize", False)),
+            has_low_vram="low_vram" in fields, low_vram=bool(getattr(cfg.model, "low_vram", False)),
+            gradient_checkpointing=cfg.train.gradient_checkpointing, batch_size=cfg.train.batch_size,
+            resolution=max(max(d.resolution) for d in cfg.datasets),
+            cache_latents=all(d.cache_latents or d.cache_latents_to_disk for d in cfg.datasets),
+            cache_text=cfg.train.cache_text_embeddings, sample_size=(cfg.sample.width, cfg.sample.height),
+            on_accelerator=self.accelerator.device.type != "cpu")
+
+    def out_of_memory_message(self, error: BaseException) -> str:
+        """The phase (in training: the bucket and batch of the micro-batch), memory and what to change."""
+        detail = ""
+        if self.phase == "training" and self.last_indices:
+            items = self.data.dataset.items
+            buckets = sorted({items[i].bucket for i in self.last_indices})
+            detail = (f"update {self.position.global_step + 1}, bucket "
+                      + ", ".join(f"{w}x{h}" for w, h in buckets) + f", {len(self.last_indices)} per micro-batch")
+        message = out_of_memory_message(self.phase, detail, self.job_memory(), error)
+        step = getattr(self.checkpoints, "last_saved_step", None) if hasattr(self, "checkpoints") else None
+        if step is not None and step > 0:
+            message += f"\nThe run stopped; its checkpoint of update {step} is complete, and the same command resumes from it."
+        else:
+            message += "\nThe run stopped; the same command starts it again."
+        return message
 
     def start(self) -> None:
         """The run folder, the accelerator and the monitor: what exists before anything loads."""
@@ -139,8 +191,9 @@ class BaseSDTrainProcess(BaseProcess):
         if cfg.validation is not None:  # a split's samples leave the training data here
             scanned, held_out = read_held_out(cfg.validation, cfg.datasets, scanned, cfg.train.seed, cfg.trigger_word,
                                               facts.frame_step, facts.title)
-        self.adapter = self.load_model()
-        self.param_groups = self.add_network()
+        with self.in_phase("loading"):
+            self.adapter = self.load_model()
+            self.param_groups = self.add_network()
         self.lora_params = [param for group in self.param_groups for param in group["params"]]
         self.mirrors = [mirror_lora(self.adapter.trainable_module(), m) for m in self.adapter.sampling.mirrors()]
         self.data = TrainingData(cfg.datasets, cfg.trigger_word, cfg.train, self.adapter, self.placement, scanned)
@@ -150,8 +203,9 @@ class BaseSDTrainProcess(BaseProcess):
             with self.placement.visiting(self.adapter.text_encoder_modules()):
                 blank = self.adapter.text.blank_prompt_embeds().to(acc.device)
         self.objective = self.make_objective(cfg.train.objective, cfg.train.seed, self.adapter, blank)
-        self.data.build_caches(acc)
-        self.validation = self.make_validation(held_out) if held_out is not None else None
+        with self.in_phase("caching"):
+            self.data.build_caches(acc)
+            self.validation = self.make_validation(held_out) if held_out is not None else None
         self.plan = self.make_plan()
         self.optimizer = build_optimizer(cfg.train.optimization, self.param_groups,
                                          loss_scaled=acc.scaler is not None)
@@ -341,11 +395,12 @@ class BaseSDTrainProcess(BaseProcess):
         self.nonfinite = self.make_nonfinite_watch()
         if self.ema is not None:
             self.ema.begin(self.position.global_step)
-        with GracefulStop() as signal:  # from the start: a Ctrl-C during the step-0 samples stops cleanly too
+        with GracefulStop() as signal, self.in_phase("training", inject=False):
+            # from the start: a Ctrl-C during the step-0 samples stops cleanly too
             if self.validation is not None and self.position.global_step == 0:
                 self.monitor.log_evaluation(0, self.position.epoch, self.validate())
             if self.config.sample.sample_at_start and self.position.global_step == 0:
-                self.monitor.sample(step=0)
+                self.sample(step=0)
             self.monitor.open_progress(self.position.global_step)
             # one pass from the position, as long as updates are left (epochs beyond the plan's where a resume
             # changed the epoch's length or fp16 skipped updates)
@@ -417,6 +472,8 @@ class BaseSDTrainProcess(BaseProcess):
 
     def train_step(self, batch: dict, epoch: int, micro_batch: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective's loss of one micro-batch and its named parts."""
+        self.last_indices = batch["indices"]
+        self.faults.phase("training")
         at = StepDraw(epoch, micro_batch, self.accelerator.process_index, self.position.global_step,
                       min(1.0, self.position.global_step / self.plan.total_updates))
         result = self.objective.loss(batch, self.data.embeds_for(batch, epoch), at)
@@ -534,8 +591,8 @@ class BaseSDTrainProcess(BaseProcess):
         """The validation figures of the current weights (schedule-free: its averaged weights), on every process
         together; the trained modules in eval mode, the global RNG untouched, not counted as training time."""
         module = self.adapter.trainable_module()  # outside DDP and torch.compile; accelerate's autocast is on it
-        with (self.monitor.throughput.paused(), evaluation_weights(self.optimizer), in_eval_mode(self.trained_modules),
-              torch.random.fork_rng(devices=cuda_devices(self.accelerator.device))):
+        with (self.in_phase("validation"), self.monitor.throughput.paused(), evaluation_weights(self.optimizer),
+              in_eval_mode(self.trained_modules), torch.random.fork_rng(devices=cuda_devices(self.accelerator.device))):
             return self.validation.evaluate(module, self.accelerator)
 
     def sample_weights(self):
@@ -550,7 +607,23 @@ class BaseSDTrainProcess(BaseProcess):
             self.save_checkpoint()
         if self.config.sample.sample_every and step % self.config.sample.sample_every == 0:
             self.nonfinite.check(self.position.global_step)
-            self.monitor.sample(step)
+            self.sample(step)
+
+    def sample(self, step: int) -> None:
+        """The samples of `step`. Running out of memory while rendering skips them with a warning naming the memory
+        and what would lower it; training goes on (every process still meets at the end of sampling)."""
+        try:
+            with self.in_phase("sampling"):
+                self.monitor.sample(step)
+        except BaseException as error:
+            if not is_out_of_memory(error):
+                raise
+            message = self.out_of_memory_message(error).split("\nThe run stopped")[0]
+            self.phase = "training"
+            flush()
+            log.warning("samples of step %d skipped; training goes on. %s", step, message)
+            self.accelerator.wait_for_everyone()
+            self.monitor.throughput.restart()
 
     def act_on(self, decision) -> bool:
         """`save` and `sample` act now (the run goes on); returns whether every process stops after this update."""
@@ -563,7 +636,7 @@ class BaseSDTrainProcess(BaseProcess):
                 log.info("control: rendering samples at step %d", step)
             else:
                 log.warning("control: sample asked for, but the config has no sample.prompts")
-            self.monitor.sample(step)
+            self.sample(step)
         self.monitor.acknowledge()
         return decision.stop
 
@@ -573,7 +646,8 @@ class BaseSDTrainProcess(BaseProcess):
         """A checkpoint of the current state; never of weights a non-finite update reached (`train.on_nan`)."""
         self.nonfinite.check(self.position.global_step)
         flush()
-        folder = self.checkpoints.save(self.position)
+        with self.in_phase("saving"):
+            folder = self.checkpoints.save(self.position)
         if self.accelerator.is_main_process:
             log.info("saved checkpoint %s", folder)
         self.monitor.write_report()
@@ -596,7 +670,7 @@ class BaseSDTrainProcess(BaseProcess):
             self.write_final_loras()
         self.monitor.metrics.close()
         if not (self.config.sample.sample_every and step % self.config.sample.sample_every == 0):
-            self.monitor.sample(step)
+            self.sample(step)
         self.monitor.write_report()
         self.monitor.ended("finished", step)
         self.accelerator.wait_for_everyone()
@@ -671,11 +745,12 @@ class BaseSDTrainProcess(BaseProcess):
         """<name>.safetensors in the family's primary form, and each other form `save.formats` lists beside it as
         <name>.<form>.safetensors, with the metadata `save.metadata` asks for."""
         metadata = lora_metadata(self.training_facts(self.position.global_step), self.config.save.metadata)
-        with evaluation_weights(self.optimizer):  # schedule-free: the averaged weights are the trained LoRA
-            self.write_final_forms(metadata, ema=False)
-        if self.ema is not None and self.ema.started:
-            with self.ema.applied():
-                self.write_final_forms(metadata, ema=True)
+        with self.in_phase("final"):
+            with evaluation_weights(self.optimizer):  # schedule-free: the averaged weights are the trained LoRA
+                self.write_final_forms(metadata, ema=False)
+            if self.ema is not None and self.ema.started:
+                with self.ema.applied():
+                    self.write_final_forms(metadata, ema=True)
 
     def write_final_forms(self, metadata: dict[str, str], ema: bool) -> None:
         """Every form of every file part with the weights now in the trained parameters (`ema`: named as the EMA)."""

@@ -4,7 +4,9 @@ it. Read from the environment variable DIFFTUNE_TEST_FAULTS, which no real run s
 `DIFFTUNE_TEST_FAULTS="nan_loss@5,nan_loss@6,oom@sampling"`:
 - `nan_loss@N`: the loss of the run's N-th micro-batch is NaN. N counts from 1 over the whole run by data position
   (epoch x micro-batches per epoch + micro-batch), so a resumed run meets it at the same batch;
-- `oom@PHASE`: torch.OutOfMemoryError where the trainer enters PHASE (`Faults.phase`)."""
+- `oom@PHASE` or `oom@PHASE:K`: torch.OutOfMemoryError where the trainer enters PHASE (`Faults.phase`; the phases
+  are toolkit.run.out_of_memory.PHASES) for the first time, or the K-th (training enters once per micro-batch);
+- `memory@PHASE[:K]`: the host's MemoryError there instead."""
 
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ import torch
 ENV = "DIFFTUNE_TEST_FAULTS"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Faults:
     nan_losses: frozenset[int] = frozenset()
-    oom_phases: frozenset[str] = field(default_factory=frozenset)
+    #: (phase, entry) -> the error class raised there
+    errors: dict[tuple[str, int], type[BaseException]] = field(default_factory=dict)
+    #: how many times each phase was entered
+    entered: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -27,16 +32,18 @@ class Faults:
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
-        nan, oom = set(), set()
+        nan: set[int] = set()
+        errors: dict[tuple[str, int], type[BaseException]] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, where = item.partition("@")
+            phase, _, entry = where.partition(":")
             if kind == "nan_loss" and where.isdigit():
                 nan.add(int(where))
-            elif kind == "oom" and where:
-                oom.add(where)
+            elif kind in ("oom", "memory") and phase and (not entry or entry.isdigit()):
+                errors[phase, int(entry or 1)] = torch.OutOfMemoryError if kind == "oom" else MemoryError
             else:
-                raise ValueError(f"{ENV}: {item!r} is not nan_loss@N or oom@PHASE")
-        return cls(frozenset(nan), frozenset(oom))
+                raise ValueError(f"{ENV}: {item!r} is not nan_loss@N, oom@PHASE[:K] or memory@PHASE[:K]")
+        return cls(frozenset(nan), errors)
 
     def loss(self, loss: torch.Tensor, micro_batch_number: int) -> torch.Tensor:
         """`loss`, made NaN at the listed micro-batches (on the device: nothing waits)."""
@@ -45,6 +52,10 @@ class Faults:
         return loss
 
     def phase(self, name: str) -> None:
-        """Raise the accelerator's out-of-memory error where the trainer enters a listed phase."""
-        if name in self.oom_phases:
-            raise torch.OutOfMemoryError(f"injected out of memory ({ENV}) in {name}")
+        """Raise the listed out-of-memory error where the trainer enters a phase for the listed time."""
+        if not self.errors:
+            return
+        count = self.entered[name] = self.entered.get(name, 0) + 1
+        error = self.errors.get((name, count))
+        if error is not None:
+            raise error(f"injected out of memory ({ENV}) in {name}")
