@@ -34,6 +34,7 @@ from toolkit.network.metadata import TrainingFacts, lora_metadata, reduce_path, 
 from toolkit.paths import normalize_path
 from toolkit.run.accelerator import RunAccelerator
 from toolkit.run.checkpoint import Checkpoints, TrainedParts
+from toolkit.run.disk import DiskProblem, disk_error, disk_message, space_warning, tree_bytes
 from toolkit.run.faults import Faults
 from toolkit.run.folder import RunFolder
 from toolkit.run.monitor import Monitor, UpdateValues
@@ -92,6 +93,7 @@ class BaseSDTrainProcess(BaseProcess):
                                                         cfg.train.gradient_accumulation)
                 self.warn_of_a_new_split(self.checkpoints.resumed_config)
             self.open_run_folder(resumed=resume_from is not None)
+            self.warn_of_space()
             self.monitor.planned(self.plan, self.position.global_step, resume_from is not None, self.sampler)
             if self.position.global_step >= self.plan.total_updates and resume_from is not None:
                 return self.report_already_complete()
@@ -102,6 +104,10 @@ class BaseSDTrainProcess(BaseProcess):
         except BaseException as error:
             if is_out_of_memory(error) and not isinstance(error, OutOfMemory):
                 stop = OutOfMemory(self.out_of_memory_message(error))
+                self.monitor.failed(stop, self.position.global_step)
+                raise stop from error
+            if disk_error(error, self.folder.root) is not None and not isinstance(error, DiskProblem):
+                stop = DiskProblem(self.disk_message(error))
                 self.monitor.failed(stop, self.position.global_step)
                 raise stop from error
             self.monitor.failed(error, self.position.global_step)
@@ -134,6 +140,50 @@ class BaseSDTrainProcess(BaseProcess):
             cache_latents=all(d.cache_latents or d.cache_latents_to_disk for d in cfg.datasets),
             cache_text=cfg.train.cache_text_embeddings, sample_size=(cfg.sample.width, cfg.sample.height),
             on_accelerator=self.accelerator.device.type != "cpu")
+
+    def disk_message(self, error: BaseException) -> str:
+        """The path, what was being written (a checkpoint: the size of the last one, or the LoRA's and its optimizer
+        state's), the space free, and the checkpoint a rerun resumes from."""
+        checkpoints = getattr(self, "checkpoints", None)
+        last = checkpoints.last_saved_step if checkpoints is not None else None
+        writing, folder, needed = {
+            "saving": ("a checkpoint", self.folder.checkpoints, self.checkpoint_bytes()),
+            "final": ("the final LoRA files", self.folder.root, self.final_bytes()),
+            "sampling": ("samples", self.folder.samples, None),
+            "caching": ("the caches", self.folder.root, None),
+        }.get(self.phase, ("the run's files", self.folder.root, None))
+        return disk_message(error, writing, folder, needed, last or None)
+
+    def checkpoint_bytes(self) -> int | None:
+        """About what a checkpoint takes: the newest complete one's size, else the LoRA in float32 with two
+        optimizer moments and the EMA (what AdamW keeps; 8-bit optimizers keep less)."""
+        from toolkit.run.checkpoint_folders import scan_checkpoints
+
+        complete, _ = scan_checkpoints(self.folder.checkpoints)
+        if complete:
+            return tree_bytes(complete[-1])
+        params = getattr(self, "lora_params", None)
+        if not params:
+            return None
+        lora = sum(p.numel() for p in params) * 4
+        return lora * (3 + (1 if self.config.train.ema is not None else 0))
+
+    def final_bytes(self) -> int | None:
+        params = getattr(self, "lora_params", None)
+        if not params:
+            return None
+        lora = sum(p.numel() for p in params) * DTYPES[self.config.save.dtype].itemsize
+        return lora * len(self.final_forms()) * (2 if self.config.train.ema is not None else 1)
+
+    def warn_of_space(self) -> None:
+        """At the start (main process): a warning where the checkpoints kept and the final files cannot fit."""
+        checkpoint = self.checkpoint_bytes()
+        if not self.accelerator.is_main_process or not checkpoint:
+            return
+        keep = self.config.save.max_step_saves_to_keep or 1
+        warning = space_warning(self.folder.root, checkpoint, keep, self.final_bytes() or 0)
+        if warning:
+            log.warning("%s", warning)
 
     def out_of_memory_message(self, error: BaseException) -> str:
         """The phase (in training: the bucket and batch of the micro-batch), memory and what to change."""

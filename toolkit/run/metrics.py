@@ -94,8 +94,19 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The lines of metrics.jsonl; a last line cut short (a write the disk refused, or a kill mid-write) is left
+    out: a resumed run writes it again."""
     with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        lines = [line for line in handle if line.strip()]
+    records = []
+    for number, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) - 1 or line.endswith("\n"):
+                raise
+            log.warning("%s: its last line is cut short (%d characters); left out", path, len(line))
+    return records
 
 
 def truncate_after(path: Path, step: int) -> None:

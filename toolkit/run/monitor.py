@@ -132,8 +132,12 @@ class Monitor:
 
     def failed(self, error: BaseException, step: int) -> None:
         """status.json says `failed` at once: a launcher ends the other processes soon after one fails, so nothing
-        waits before it (the metrics lines follow when the monitor closes, at most half a second behind)."""
-        self.ended("failed", step if self.status.planned else None, f"{type(error).__name__}: {error}")
+        waits before it (the metrics lines follow when the monitor closes, at most half a second behind). A status
+        that cannot be written (the disk the failure is about) is logged, never raised over the error itself."""
+        try:
+            self.ended("failed", step if self.status.planned else None, f"{type(error).__name__}: {error}")
+        except OSError as write_error:
+            log.warning("could not write %s/status.json: %s", self.folder.root, write_error)
 
     def close(self) -> None:
         self.close_progress()
