@@ -326,18 +326,22 @@ def test_a_batch_of_cached_and_new_variants_merges_its_rows_in_batch_order(tmp_p
         assert torch.equal(batch["latent_mean"][row], cache.get(index, dataset.variant(index, epoch)).dist.mean)
 
 
-def test_a_deleted_entry_of_a_dataset_without_variants_is_an_error_naming_it(tmp_path, adapter, monkeypatch):
+def test_a_deleted_or_damaged_entry_is_encoded_again_from_its_image(tmp_path, adapter):
+    """The cache of a dataset without variants emptied or damaged while training: the sample comes as pixels with
+    its key (a pending row), `complete` encodes it from its image and writes the entry anew, and the cache notes the
+    entry (the trainer warns once and counts it); the re-encoded latent is the one the build made."""
     noise_image(tmp_path / "data" / "img.png", (64, 64))
     cfg = DatasetConfig(folder_path=str(tmp_path / "data"), resolution=[64], cache_latents_to_disk=True)
     dataset, cache = cached_dataset(cfg, adapter, tmp_path)
-    cache.path(0).unlink()  # the cache folder emptied while training
-    monkeypatch.setattr(adapter, "encode_latent_dist", lambda pixels: pytest.fail("encoded again"))
-    with pytest.raises(RuntimeError, match=f"cached latent {cache.path(0)} for {tmp_path / 'data' / 'img.png'} is "
-                                           "unreadable .*delete the cache folder to rebuild it"):
-        dataset[EpochIndex(0, 1)]
-    cache.path(0).write_bytes(b"damaged")
-    with pytest.raises(RuntimeError, match="unreadable"):
-        dataset[0]
+    built = cache.get(0).dist.mean.clone()
+    for damage in (lambda path: path.unlink(), lambda path: path.write_bytes(b"damaged")):
+        damage(cache.path(0))
+        sample = dataset[EpochIndex(0, 1)]
+        assert "pixels" in sample and sample["latent_key"] == cache.keys[0]
+        assert str(cache.path(0)) in cache.damaged
+        batch = cache.complete(collate([sample]), adapter)
+        assert torch.equal(batch["latent_mean"][0], built) and torch.equal(cache.get(0).dist.mean, built)
+        cache.damaged.clear()
 
 
 def test_a_deleted_entry_of_a_dataset_with_variants_is_encoded_again_when_drawn(tmp_path, adapter):

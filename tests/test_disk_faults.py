@@ -154,3 +154,23 @@ def test_disk_problem_is_a_user_error():
     from toolkit.errors import UserError
 
     assert issubclass(DiskProblem, UserError)
+
+
+def test_caches_that_cannot_be_written_fall_back_to_encoding_live(small_disk, tmp_path, caplog):
+    """The latent and text-embedding caches on a full disk (datasets[].cache_dir): one warning each, the latents and
+    captions encoded live instead, and the run trains to the end."""
+    from helpers import QUICKSTART_DATA
+
+    from toolkit.run.metrics import read_metrics
+
+    caplog.set_level(logging.WARNING, logger="difftune")
+    fill(small_disk)
+    process = trainer_process(tmp_path, train={"steps": 3, "cache_text_embeddings": True},
+                              datasets=[{"folder_path": str(QUICKSTART_DATA), "resolution": [64],
+                                         "cache_latents_to_disk": True, "cache_dir": str(small_disk / "cache")}])
+    assert run.main([str(write_job(tmp_path / "live.yaml", "live", process))]) == 0
+    warnings = [r.message for r in caplog.records if "cannot be written" in r.message]
+    assert len(warnings) == 2 and "latents are encoded live" in warnings[0] and "captions are encoded live" in \
+        warnings[1]
+    records = [r for r in read_metrics(tmp_path / "output" / "live" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]

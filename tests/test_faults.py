@@ -215,3 +215,81 @@ def test_memory_suggestions_are_ranked_by_what_they_would_save():
     text = out_of_memory_message("training", "bucket 1024x1024", job, torch.OutOfMemoryError("x"), figures)
     assert text.startswith("out of accelerator memory while training (bucket 1024x1024).")
     assert "30.0 GiB allocated, 31.0 GiB reserved, peak 31.0 GiB, 0.5 GiB free of 32.0 GiB" in text
+
+
+# ---- files that go bad while the run is on ----------------------------------------------------------------
+
+
+def copied_data(tmp_path):
+    import shutil
+
+    folder = tmp_path / "data"
+    shutil.copytree(QUICKSTART_DATA, folder, ignore=shutil.ignore_patterns("_difftune_cache"))
+    return folder
+
+
+def test_an_image_deleted_and_one_damaged_mid_run_are_replaced_named_and_counted(tmp_path, caplog):
+    """After update 2 one image is deleted and another overwritten with garbage (images decoded every draw): the run
+    trains to the end; each file is named once in a warning, its samples stand in from the next readable image of
+    the bucket, and metrics.jsonl counts them."""
+    from instrumented_run import wrapped
+
+    from toolkit.run.monitor import Monitor
+
+    caplog.set_level(logging.WARNING, logger="difftune")
+    data = copied_data(tmp_path)
+    process = trainer_process(tmp_path, datasets=[{"folder_path": str(data), "resolution": [64]}],
+                              train={"steps": 8, "decoded_images_gib": 0})
+
+    def spoil_after_two(original):
+        def after_update(self, update, readings, evaluated=None):
+            original(self, update, readings, evaluated)
+            if update.step == 2:
+                (data / "00_red_circle.png").unlink()
+                (data / "01_yellow_square.png").write_bytes(b"not an image")
+        return after_update
+
+    with wrapped(Monitor, "after_update", spoil_after_two):
+        assert run.main([str(write_job(tmp_path / "bad.yaml", "bad", process))]) == 0
+    named = [r.message for r in caplog.records if "replaced by the next readable one" in r.message]
+    assert len(named) == 2 and any("00_red_circle.png" in m for m in named) and any("01_yellow" in m for m in named)
+    records = [r for r in read_metrics(tmp_path / "output" / "bad" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 9)) and records[-1]["replaced_samples"] == 2
+    assert "replaced_samples" not in records[0]
+
+
+def test_a_cache_entry_damaged_between_runs_is_encoded_again(tmp_path, caplog):
+    """A latent cache on disk, one entry overwritten with garbage after the run that built it: the next run encodes
+    it again from its image (warning once, counting it), writes it anew, and trains to the end."""
+    from safetensors.torch import load_file
+
+    caplog.set_level(logging.WARNING, logger="difftune")
+    data = copied_data(tmp_path)
+    process = trainer_process(tmp_path, datasets=[{"folder_path": str(data), "resolution": [64],
+                                                   "cache_latents_to_disk": True}], train={"steps": 2})
+    assert run.main([str(write_job(tmp_path / "first.yaml", "first", process))]) == 0
+    entries = sorted(p for p in data.rglob("*.safetensors"))
+    assert len(entries) == 8
+    entries[3].write_bytes(b"damaged")
+    process["train"]["steps"] = 4
+    assert run.main([str(write_job(tmp_path / "second.yaml", "second", process))]) == 0
+    assert any(f"cached latent {entries[3]} was missing or damaged" in r.message for r in caplog.records)
+    assert "mean" in load_file(str(entries[3]))  # written anew
+    records = [r for r in read_metrics(tmp_path / "output" / "second" / "metrics.jsonl") if "loss" in r]
+    assert records[-1]["reencoded_latents"] == 1
+
+
+def test_a_clip_that_decodes_short_mid_run_is_replaced_by_another_of_its_bucket(tmp_path):
+    from helpers import write_mp4
+    from test_dataset_clips import LEVEL, by_name, clip_folder, video_dataset
+
+    dataset = video_dataset(clip_folder(tmp_path, copies=2))
+    index, _ = by_name(dataset)["clip.mp4"]
+    other, _ = by_name(dataset)["clip1.mp4"]
+    write_mp4(tmp_path / "clip.mp4", frames=3, level=LEVEL)  # replaced after the scan by a shorter clip
+    sample = dataset[index]
+    assert sample["index"] == other and sample["replaced"][0][0] == str(tmp_path / "clip.mp4")
+    assert "has no frame 3" in sample["replaced"][0][1]
+    from toolkit.data.dataset import collate
+
+    assert collate([sample])["replaced"] == sample["replaced"]

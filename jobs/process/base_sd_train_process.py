@@ -24,7 +24,7 @@ from jobs.process.base_process import BaseProcess, StopRequested
 from toolkit.config.loader import check_paths
 from toolkit.config.schema import SDTrainerConfig
 from toolkit.data.dataset import scan_datasets
-from toolkit.data.training_data import TrainingData, usable_cores
+from toolkit.data.training_data import BadData, TrainingData, usable_cores
 from toolkit.device import DTYPES, ModulePlacement, as_dtype, flush, memory_debug, modules_on
 from toolkit.models.base import ModelAdapter
 from toolkit.models.registry import get_adapter_class
@@ -78,6 +78,8 @@ class BaseSDTrainProcess(BaseProcess):
         self.phase = "loading"
         #: the sample indices of the last micro-batch taken (host data), for the same message
         self.last_indices: list[int] = []
+        #: files found unreadable while training: warned about once, counted in the metrics lines
+        self.bad_data = BadData()
 
     def run(self) -> None:
         cfg = self.config
@@ -486,6 +488,7 @@ class BaseSDTrainProcess(BaseProcess):
             pos.micro_batch_in_epoch = micro_batch + 1
             samples += len(batch["indices"])
             files += self.batch_files(batch)
+            self.bad_data.note(batch, self.data.dataset.latents)
             ends_update = self.plan.ends_update(micro_batch)
             with self.gradient_sync(ends_update):
                 loss, parts = self.train_step(batch, pos.epoch, micro_batch)
@@ -632,7 +635,7 @@ class BaseSDTrainProcess(BaseProcess):
         rms = update_rms(self.optimizer)
         if rms is not None:
             readings["update_rms"] = float(rms)
-        return readings | self.step_figures
+        return readings | self.step_figures | self.bad_data.figures()
 
     def validation_due(self, step: int) -> bool:
         return self.validation is not None and self.validation.due(step, self.plan.total_updates)

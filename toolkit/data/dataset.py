@@ -511,12 +511,39 @@ class ImageDataset(torch.utils.data.Dataset):
         return load_mask(item, variant, self.options_for(item.dataset).mask_min_value)
 
     def __getitem__(self, index: int) -> dict:
-        number = int(index)
+        """The sample at `index`. A file that became unreadable since the scan (deleted, damaged, a clip that now
+        decodes short) does not stop the run: the sample is replaced by the next item of its batch group (the same
+        frame count, bucket and caching, in the dataset's order, wrapping round) that reads, and says which file it
+        stands in for (`replaced`), for the trainer to warn and count. Nothing in the group reads: the error."""
+        number, epoch = int(index), getattr(index, "epoch", 0)
+        try:
+            return self.sample_at(number, epoch)
+        except DatasetError as error:
+            return self.stand_in(number, epoch, error)
+
+    def stand_in(self, number: int, epoch: int, error: DatasetError) -> dict:
+        group = self.group_of(number)
+        start = group.index(number)
+        for other in group[start + 1:] + group[:start]:
+            try:
+                sample = dict(self.sample_at(other, epoch))
+            except DatasetError:
+                continue
+            sample["replaced"] = [(str(self.items[number].record.path), str(error))]
+            return sample
+        raise error
+
+    def group_of(self, number: int) -> list[int]:
+        """The items that may stand in for item `number`: its batch group (`bucket_keys`), in order."""
+        keys = self.bucket_keys()
+        return [i for i, key in enumerate(keys) if key == keys[number]]
+
+    def sample_at(self, number: int, epoch: int) -> dict:
         fixed = self.fixed_samples.get(number)
         if fixed is not None:
             return fixed  # never changed: collate makes the batch anew
         item = self.items[number]
-        variant = self.variant(number, getattr(index, "epoch", 0))
+        variant = self.variant(number, epoch)
         sample = {"caption": item.record.caption, "index": number, "variant": variant}
         cached = None
         if self.latents is not None and self.latents.covers(number):
@@ -580,6 +607,9 @@ def collate(samples: list[dict]) -> dict:
     # indices stay a list: a tensor would be sent to the device with the batch and read back from it
     batch = {"captions": [s["caption"] for s in samples], "indices": [s["index"] for s in samples],
              "variants": [s["variant"] for s in samples]}
+    replaced = [entry for s in samples for entry in s.get("replaced", ())]
+    if replaced:  # files that became unreadable, and why (`ImageDataset.stand_in`)
+        batch["replaced"] = replaced
     rows = [row for row, s in enumerate(samples) if "latent_key" in s]
     if rows:
         waiting = [samples[row] for row in rows]

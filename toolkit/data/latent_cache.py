@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from toolkit.data.dataset import ImageDataset, TrainItem, Variant, centre_variant, image_sizes, load_pixels
 from toolkit.files import write_atomic
+from toolkit.run.disk import disk_error
 from toolkit.models.base import LatentDist, ModelAdapter
 from toolkit.run.metrics import progress_bars_wanted
 from toolkit.train.losses import mask_to_grid
@@ -100,6 +101,11 @@ class LatentCache:
         #: the all-ones mask of each latent grid, one for every sample without a mask (`sample_fields`): samples made
         #: once (`ImageDataset.fixed_samples`) would otherwise keep one each
         self.no_masks: dict[tuple[int, int], torch.Tensor] = {}
+        #: disk entries found damaged or missing while training, and why (path -> reason): each is encoded again from
+        #: its image (`complete`) and written anew; the trainer warns once per entry and counts them
+        self.damaged: dict[str, str] = {}
+        #: the entries could not be written (a full disk): the latents are encoded live, nothing more is written
+        self.unwritable = False
 
     def digest(self, path: Path) -> str:
         if path not in self._digests:
@@ -167,10 +173,18 @@ class LatentCache:
         grid_mask = None if mask is None else mask_to_grid(mask, mean.shape[-2:]).cpu()
         entry = CachedLatent(LatentDist(mean, None if dist.std is None else dist.std[0].cpu()),
                              image_sizes(item, variant), grid_mask)
-        if self.to_disk[item.dataset]:
-            self.write(self.entry_path(item, key), entry)
-        else:
+        if not self.to_disk[item.dataset]:
             self.memory[key] = entry
+        elif not self.unwritable:
+            try:
+                self.write(self.entry_path(item, key), entry)
+            except Exception as error:
+                if disk_error(error, self.roots[item.dataset]) is None:
+                    raise
+                self.unwritable = True
+                log.warning("the latent cache cannot be written (%s): latents are encoded live from here on, and "
+                            "nothing more is written to %s", disk_error(error, self.roots[item.dataset]),
+                            self.roots[item.dataset])
         return entry
 
     @staticmethod
@@ -201,23 +215,23 @@ class LatentCache:
         return key
 
     def entry(self, item: TrainItem, key: str, variant: Variant | None) -> CachedLatent | None:
-        """The entry stored under `key`, None where a dataset that draws variants has none yet (it is encoded when
-        drawn, by `complete`). Every entry of a dataset that does not vary was made by `build`, and its image encoder
-        may have left the device since: a missing or damaged one is an error naming it and its image, never encoded
-        again in the middle of training."""
+        """The entry stored under `key`, None where there is none to use: a dataset that draws variants has none yet,
+        or a disk entry is missing or damaged (deleted, cut short, overwritten since it was made: noted in `damaged`).
+        Either is encoded from its image when drawn (`complete`, the image encoder visiting the accelerator where it
+        left), and written anew."""
         grows = self.dataset.options_for(item.dataset).varies
         if not self.to_disk[item.dataset]:
             if key not in self.memory and not grows:  # `build` made them all, before any loader copied the dataset
                 raise RuntimeError(f"the latent of {item.record.path} is missing from the in-memory cache")
             return self.memory.get(key)
         path = self.entry_path(item, key)
-        if grows and not path.is_file():
+        if (grows or self.unwritable) and not path.is_file():
             return None
         try:
             tensors = load_file(str(path))
-        except Exception as err:  # a damaged or deleted entry: name it
-            raise RuntimeError(f"cached latent {path} for {item.record.path} is unreadable ({err}); delete the cache "
-                               "folder to rebuild it") from err
+        except Exception as err:  # a damaged or deleted entry: encoded again from its image (`complete`)
+            self.damaged.setdefault(str(path), f"{item.record.path}: {err}")
+            return None
         if "image_sizes" not in tensors:  # written before entries kept them: the same crop plan made it
             tensors["image_sizes"] = image_sizes(item, variant)
         elif variant is not None and (variant.flip_x or variant.flip_y):

@@ -21,8 +21,9 @@ from toolkit.data.latent_cache import LatentCache
 from toolkit.data.media import cache_root
 from toolkit.data.run_order import RunBatchOrder
 from toolkit.data.text_cache import CachedCaptions, LiveCaptions
-from toolkit.device import ModulePlacement, to_device
+from toolkit.device import ModulePlacement, modules_on, to_device
 from toolkit.models.base import ModelAdapter, PromptEmbeds
+from toolkit.run.disk import disk_error
 from toolkit.train.plan import Position
 
 log = logging.getLogger("difftune")
@@ -78,17 +79,24 @@ class TrainingData:
             self.dataset.latents = cache
             # a batch never mixes cached latents with pixels: the batches are cut again, by the cached keys
             self.batch_sampler = self.make_batch_sampler()
-            if cache.covers_everything and not cache.grows:
+            if cache.covers_everything and not cache.grows and not cache.unwritable:
                 placement.offload(adapter.image_encoder_modules(), "image encoder unload")
         seed = self.train.seed
+        self.conditioning = LiveCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word)
         if self.train.cache_text_embeddings:
-            self.conditioning = CachedCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word, roots,
-                                               placement.device)
-            with placement.visiting(adapter.text_encoder_modules()):
-                self.conditioning.build(accelerator)
-            placement.offload(adapter.text_encoder_modules(), "text encoder unload")
-        else:
-            self.conditioning = LiveCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word)
+            cached = CachedCaptions(adapter, self.dataset, cfgs, seed, self.trigger_word, roots, placement.device)
+            try:
+                with placement.visiting(adapter.text_encoder_modules()):
+                    cached.build(accelerator)
+            except Exception as error:  # a cache that cannot be written: the captions are encoded live
+                problem = disk_error(error, next(iter(roots.values())))
+                if problem is None:
+                    raise
+                log.warning("the text-embedding cache cannot be written (%s): captions are encoded live instead, "
+                            "and the text encoders stay on the accelerator", problem)
+            else:
+                self.conditioning = cached
+                placement.offload(adapter.text_encoder_modules(), "text encoder unload")
         placement.keep_on_device(adapter.image_encoder_modules() + adapter.text_encoder_modules())
 
     def num_workers(self, processes: int = 1) -> int:
@@ -161,8 +169,12 @@ class TrainingData:
         self.dataloader = None
 
     def complete(self, batch: dict) -> dict:
-        """The batch with its pending rows (variants without a latent cache entry yet) encoded and stored."""
-        return self.dataset.latents.complete(batch, self.adapter) if "pending" in batch else batch
+        """The batch with its pending rows (variants without a latent cache entry yet, or whose entry was found
+        damaged) encoded and stored; an image encoder that left the accelerator visits it for them."""
+        if "pending" not in batch:
+            return batch
+        with modules_on(self.adapter.image_encoder_modules(), self.placement.device):
+            return self.dataset.latents.complete(batch, self.adapter)
 
     def embeds_for(self, batch: dict, epoch: int) -> PromptEmbeds:
         return self.conditioning.embeds_for(batch["indices"], epoch)
@@ -192,6 +204,35 @@ def on_device(batch: dict, device: torch.device) -> dict:
     if "pending" in batch:
         placed["pending"] = on_device(batch["pending"], device)
     return placed
+
+
+class BadData:
+    """Files found unreadable while training (toolkit.data.dataset `stand_in`, the latent cache's `damaged`): each
+    warned about once, and counted for the metrics lines (`figures`)."""
+
+    def __init__(self) -> None:
+        self.replaced: dict[str, str] = {}
+        self.reencoded: set[str] = set()
+
+    def note(self, batch: dict, latents) -> None:
+        """What this batch (and the cache, this far) found; host data only."""
+        for path, reason in batch.get("replaced", ()):
+            if path not in self.replaced:
+                self.replaced[path] = reason
+                log.warning("%s; the sample is replaced by the next readable one of its bucket, and will be at every "
+                            "draw while the file stays unreadable", reason)
+        damaged = getattr(latents, "damaged", None)
+        if damaged and len(damaged) > len(self.reencoded):
+            for path, reason in damaged.items():
+                if path not in self.reencoded:
+                    self.reencoded.add(path)
+                    log.warning("cached latent %s was missing or damaged (%s): encoded again from its image and "
+                                "written anew", path, reason)
+
+    def figures(self) -> dict[str, int]:
+        """The counts since the run (or this resume) began, for a metrics line; none while there are none."""
+        counts = {"replaced_samples": len(self.replaced), "reencoded_latents": len(self.reencoded)}
+        return {key: value for key, value in counts.items() if value}
 
 
 def usable_cores() -> int:
