@@ -208,12 +208,13 @@ class DifftuneLoop:
         after_update, epoch_batches = getattr(trainer, self.UNSTAMPED)
 
         def stamped_update(update, *args, **kwargs):
-            after_update(update, *args, **kwargs)
+            read = after_update(update, *args, **kwargs)
             finish_queued_work()
             self.current.durations.append(time.perf_counter() - self.resumed)
             self.current.steps.append(update.step)
             self.between()
             self.resumed = time.perf_counter()
+            return read
 
         def waited_batches(*args, **kwargs):
             return timed_batches(epoch_batches(*args, **kwargs), self.current)

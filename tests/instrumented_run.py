@@ -49,10 +49,11 @@ def wrapped(cls: type, name: str, wrap):
 
 def interrupt_after(step: int, job: str | None = None):
     def wrap(original):
-        def after_update(self, update, readings, evaluated=None):
-            original(self, update, readings, evaluated)
+        def after_update(self, update, readings, evaluated=None, extra=None):
+            read = original(self, update, readings, evaluated, extra)
             if update.step == step and self.is_main and job in (None, self.name):
                 os.kill(os.getpid(), signal.SIGINT)
+            return read
         return after_update
 
     return wrapped(Monitor, "after_update", wrap)
@@ -63,11 +64,12 @@ def control_after(plan: dict[int, list[str]]):
     """The real `run.py --control` after the planned updates; control/ is looked at by every decision meanwhile (not
     once per `POLL_S`), so a request acts at the update it follows, exactly."""
     def wrap(original):
-        def after_update(self, update, readings, evaluated=None):
-            original(self, update, readings, evaluated)
+        def after_update(self, update, readings, evaluated=None, extra=None):
+            read = original(self, update, readings, evaluated, extra)
             for action in plan.get(update.step, []) if self.is_main else []:
                 subprocess.run([sys.executable, str(Path(run.__file__)), "--control", str(self.folder.root), action],
                                check=True, capture_output=True)
+            return read
         return after_update
 
     every_decision, control.POLL_S = control.POLL_S, 0.0

@@ -83,10 +83,11 @@ def test_a_full_disk_stops_the_run_cleanly_and_the_rerun_resumes_exactly(small_d
     job = write_job(tmp_path / "full.yaml", "full", process)
 
     def fill_after_three(original):
-        def after_update(self, update, readings, evaluated=None):
-            original(self, update, readings, evaluated)
+        def after_update(self, update, readings, evaluated=None, extra=None):
+            read = original(self, update, readings, evaluated, extra)
             if update.step == 3:
                 fill(small_disk)
+            return read
         return after_update
 
     with wrapped(Monitor, "after_update", fill_after_three):
@@ -174,3 +175,17 @@ def test_caches_that_cannot_be_written_fall_back_to_encoding_live(small_disk, tm
         warnings[1]
     records = [r for r in read_metrics(tmp_path / "output" / "live" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def test_a_run_whose_checkpoints_cannot_fit_is_warned_at_its_start(small_disk, tmp_path, caplog):
+    """The free-space check at the start: 1000 checkpoints kept on a 16 MiB disk cannot fit; the run says so before
+    its first update (and trains while the space lasts)."""
+    caplog.set_level(logging.WARNING, logger="difftune")
+    process = trainer_process(small_disk, train={"steps": 1}, save={"max_step_saves_to_keep": 1000})
+    assert run.main([str(write_job(tmp_path / "space.yaml", "space", process))]) == 0
+    assert any("1000 checkpoints of about" in r.message and "is free there" in r.message for r in caplog.records)
+    caplog.clear()
+    process["save"]["max_step_saves_to_keep"] = 2
+    process["train"]["steps"] = 2
+    assert run.main([str(write_job(tmp_path / "space.yaml", "space", process))]) == 0
+    assert not any("is free there" in r.message for r in caplog.records)

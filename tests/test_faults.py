@@ -147,6 +147,9 @@ def test_the_stop_watch_reads_the_device_only_when_checked():
         watch.check(2)
     assert watch.pending == []
     watch.check(3)  # nothing pending: nothing read
+    for step in range(1, NonFiniteWatch.MAX_PENDING + 1):  # a run that logs rarely: read once per MAX_PENDING
+        watch.watch(step, ["loss"], torch.tensor([0.1]), [])
+    assert watch.pending == []
 
 
 # ---- out of memory ----------------------------------------------------------------------------------------
@@ -242,11 +245,12 @@ def test_an_image_deleted_and_one_damaged_mid_run_are_replaced_named_and_counted
                               train={"steps": 8, "decoded_images_gib": 0})
 
     def spoil_after_two(original):
-        def after_update(self, update, readings, evaluated=None):
-            original(self, update, readings, evaluated)
+        def after_update(self, update, readings, evaluated=None, extra=None):
+            read = original(self, update, readings, evaluated, extra)
             if update.step == 2:
                 (data / "00_red_circle.png").unlink()
                 (data / "01_yellow_square.png").write_bytes(b"not an image")
+            return read
         return after_update
 
     with wrapped(Monitor, "after_update", spoil_after_two):

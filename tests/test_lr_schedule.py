@@ -236,10 +236,10 @@ def test_an_update_gets_the_mean_gradient_of_its_window_a_short_one_too(tmp_path
             param.grad = grad
         return step(self, batch, epoch, micro_batch)
 
-    def recorded_update(self, window):
+    def recorded_update(self, window, files):
         updates.append(([p.grad.clone() for p in self.lora_params], len(window)))
         asked.append(self.accelerator.gradient_accumulation_steps)
-        return update(self, window)
+        return update(self, window, files)
 
     monkeypatch.setattr(BaseSDTrainProcess, "train_step", step_also_alone)
     monkeypatch.setattr(BaseSDTrainProcess, "optimizer_update", recorded_update)

@@ -502,9 +502,10 @@ class BaseSDTrainProcess(BaseProcess):
             if update is None:
                 continue
             evaluated = self.validate() if self.validation_due(update.step) else None
-            if self.monitor.logs(update.step, evaluated):
-                self.nonfinite.check(self.position.global_step)  # the logged update reads the device anyway
-            self.monitor.after_update(update, lambda: self.optimizer_readings(update), evaluated)
+            # a logged update reads the device anyway: the non-finite watch's flags come in the same transfer
+            flags = self.nonfinite.flags() if self.monitor.logs(update.step, evaluated) else None
+            read = self.monitor.after_update(update, lambda: self.optimizer_readings(update), evaluated, flags)
+            self.nonfinite.read(read if flags is not None else None, self.position.global_step)
             self.scheduled_outputs(update.step)
             if pos.global_step >= self.plan.total_updates:
                 return False

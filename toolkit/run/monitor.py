@@ -82,6 +82,8 @@ class Monitor:
         self.unread_losses: list[tuple[torch.Tensor, int]] = []
         self.postfix_shown_at = 0.0
         self.memory: dict[str, float] | None = None
+        #: the `extra` values of the last logged update, on the host
+        self.extra_values: list[float] | None = None
         self.memory_read_at = 0.0
         self.progress: tqdm | None = None
 
@@ -148,18 +150,22 @@ class Monitor:
 
     # ---- per update ----------------------------------------------------------------------------------
 
-    def after_update(self, update: UpdateValues, readings, evaluated: dict[str, float] | None = None) -> None:
+    def after_update(self, update: UpdateValues, readings, evaluated: dict[str, float] | None = None,
+                     extra: torch.Tensor | None = None) -> list[float] | None:
         """The metrics line of a logged update (and the progress bar at most once a second): the only reads of
         device values. `readings()` gives the optimizer's own figures (LR it used, update RMS) for that line;
-        `evaluated` (the validation figures of this update's weights) makes the update a logged one."""
+        `evaluated` (the validation figures of this update's weights) makes the update a logged one. `extra` (device
+        values another part wants on the host, e.g. the non-finite watch's flags) comes in the same transfer when
+        the update is logged: returned then, else None."""
         shown = self.progress is not None and not self.progress.disable  # the bar `open_progress` made
         # kept as they are until the next host read: no device operation per update for the smoothed loss (the
         # bar's, and every metrics line's `smoothed_loss`, with or without a bar)
         self.unread_losses.append((update.values, update.names.index("loss")))
         logged = self.logs(update.step, evaluated)
         postfix_due = shown and time.monotonic() - self.postfix_shown_at >= 1.0
+        self.extra_values = None
         if logged or postfix_due:
-            record = self.host_record(update, readings()) | (evaluated or {})
+            record = self.host_record(update, readings(), extra if logged else None) | (evaluated or {})
             if logged:
                 self.log_record(record)
             if postfix_due:
@@ -169,6 +175,7 @@ class Monitor:
         if self.progress is not None:
             self.progress.update(1)
         self.status.heartbeat(update.step)
+        return self.extra_values
 
     def logs(self, step: int, evaluated: dict[str, float] | None = None) -> bool:
         """Whether the update at `step` gets a metrics line (and so reads its values from the device)."""
@@ -182,13 +189,17 @@ class Monitor:
         if self.cfg.tensorboard:
             self.accelerator.log({"skipped_updates": skipped}, step=step)
 
-    def host_record(self, update: UpdateValues, readings: dict) -> dict:
+    def host_record(self, update: UpdateValues, readings: dict, extra: torch.Tensor | None = None) -> dict:
         """The update's values on the host (one transfer, which waits for the device), with the LR it used and
         the throughput since the last logged update. The losses the progress bar has not followed yet come in the
         same transfer and move its smoothed loss (`smoothed_loss`: the bar and the metrics line)."""
         # the update's own loss is among the unread ones: read with its values, not joined to them again
         unread = [values[index].reshape(1) for values, index in self.unread_losses if values is not update.values]
-        values = torch.cat([update.values, *unread]).float().tolist() if unread else update.values.tolist()
+        tail = [] if extra is None else [extra.float().reshape(-1)]
+        values = (torch.cat([update.values, *unread, *tail]).float().tolist() if unread or tail
+                  else update.values.tolist())
+        if tail:
+            values, self.extra_values = values[:-len(extra)], values[-len(extra):]
         losses = values[len(update.names):]
         losses += [values[index] for unread_values, index in self.unread_losses if unread_values is update.values]
         self.unread_losses = []

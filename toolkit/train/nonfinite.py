@@ -85,10 +85,31 @@ class NonFiniteWatch:
     def skipping(self) -> bool:
         return self.mode == "skip"
 
+    #: at most this many updates wait to be read: a run logging rarely reads them once per this many updates
+    MAX_PENDING = 1000
+
     def watch(self, step: int, names: list[str], values: torch.Tensor, files: list[str]) -> None:
         """`stop`: keep the update's finite flags (a device operation: nothing waits) until `check`."""
         if not self.skipping:
             self.pending.append(Watched(step, files, names, torch.isfinite(values)))
+            if len(self.pending) >= self.MAX_PENDING:
+                self.check(step)
+
+    def flags(self) -> torch.Tensor | None:
+        """Whether each watched update was finite, as one device tensor (nothing waits) for a transfer the run
+        makes anyway (a logged update's); None where nothing is watched."""
+        if not self.pending:
+            return None
+        return torch.stack([w.finite.all() for w in self.pending])
+
+    def read(self, flags: list[float] | None, now: int) -> None:
+        """`flags` (from `flags()`) on the host: raise for the first non-finite update, else forget them."""
+        if flags is None:
+            return
+        pending, self.pending = self.pending[:len(flags)], self.pending[len(flags):]
+        if all(flags):
+            return
+        self.raise_first(pending[[bool(f) for f in flags].index(False)], now)
 
     def check(self, now: int) -> None:
         """Read every watched update's flags in one transfer; raise for the first non-finite one (`now`: the
@@ -99,7 +120,9 @@ class NonFiniteWatch:
         every = torch.stack([w.finite.all() for w in pending]).tolist()
         if all(every):
             return
-        first = pending[every.index(False)]
+        self.raise_first(pending[every.index(False)], now)
+
+    def raise_first(self, first: Watched, now: int) -> None:
         bad = [name for name, ok in zip(first.names, first.finite.tolist()) if not ok]
         raise NonFiniteError(self.message(first.step, bad, first.files, stopped=True)
                              + ("" if now <= first.step else f"\n  (found at update {now}, the first read of the "
