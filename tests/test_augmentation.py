@@ -415,7 +415,7 @@ def test_a_mask_of_zeros_over_half_the_image_leaves_that_half_out_of_the_loss_an
     adapter.predict = lambda *args, **kwargs: seen.setdefault("prediction", predict(*args, **kwargs))
     adapter.noise_schedule.target = lambda *args: seen.setdefault("target", target(*args))
     objective = DiffusionObjective(ObjectiveSection(), 7, adapter)
-    result = objective.loss(batch, adapter.encode_prompts(["a photo"]), StepDraw(0, 0, 0, 0, 0.0))
+    result = objective.loss(batch, adapter.encode_prompts(["a photo"]), StepDraw(0, 0, 0, 0.0))
     prediction, target = seen["prediction"], seen["target"]
     trained = torch.zeros(1, 1, 8, 8)
     trained[..., 4:] = 1.0  # the mask's white half on the 8x8 latent grid

@@ -288,7 +288,7 @@ def test_an_update_draws_timesteps_in_its_experts_range_and_predicts_with_it():
     objective = DiffusionObjective(section, 3, adapter, blank_embeds=embeds(0.0))
     for update in range(6):
         adapter.experts_seen.clear()
-        objective.loss(batch(), embeds(), StepDraw(0, update, 0, update, 0.0))
+        objective.loss(batch(), embeds(), StepDraw(0, update, update, 0.0))
         low, high = (0.875, 0.875 + 0.125 * 0.5) if update % 2 == 0 else (0.0, 0.875 * 0.5)
         names = {name for name, _ in adapter.experts_seen}
         assert names == {"high" if update % 2 == 0 else "low"}
@@ -304,12 +304,12 @@ def embeds(value: float = 0.5) -> PromptEmbeds:
 
 
 def test_objective_draws_are_a_pure_function_of_seed_and_position():
-    at = StepDraw(epoch=1, micro_batch=2, rank=0, update_index=3, progress=0.5)
+    at = StepDraw(epoch=1, batch=2, update_index=3, progress=0.5)
     first = DiffusionObjective(ObjectiveSection(), 42, FakeAdapter()).loss(batch(), embeds(), at)
     torch.rand(100)  # the global RNG does not matter
     again = DiffusionObjective(ObjectiveSection(), 42, FakeAdapter()).loss(batch(), embeds(), at)
     other = DiffusionObjective(ObjectiveSection(), 42, FakeAdapter()).loss(
-        batch(), embeds(), StepDraw(1, 3, 0, 3, 0.5))
+        batch(), embeds(), StepDraw(1, 3, 3, 0.5))
     assert torch.equal(first.loss, again.loss) and torch.equal(first.u, again.u)
     assert not torch.equal(first.u, other.u)
     assert set(first.parts) == {"loss_main"} and first.per_sample.shape == (2,)
@@ -318,7 +318,7 @@ def test_objective_draws_are_a_pure_function_of_seed_and_position():
 def test_the_loss_of_an_unweighted_batch_is_its_samples_mean_and_their_losses_are_still_given():
     """Without masks, sampler or min-SNR weights the loss is made over all elements at once; each sample's loss (for
     the timestep statistics) is the same as the weighted path gives, and outside the graph."""
-    at = StepDraw(epoch=0, micro_batch=1, rank=0, update_index=2, progress=0.0)
+    at = StepDraw(epoch=0, batch=1, update_index=2, progress=0.0)
     plain = DiffusionObjective(ObjectiveSection(), 42, FakeAdapter()).loss(batch(), embeds(), at)
     weighted = DiffusionObjective(ObjectiveSection(min_snr_gamma=1e9), 42, FakeAdapter()).loss(batch(), embeds(), at)
     assert type(plain.loss.grad_fn).__name__ == "MseLossBackward0" != type(weighted.loss.grad_fn).__name__
@@ -349,7 +349,7 @@ def test_blank_prompt_base_pass_has_no_dropout_and_leaves_the_rng_alone():
 
 
 def test_min_snr_and_differential_guidance_change_the_loss_not_the_draws():
-    at = StepDraw(0, 0, 0, 0, 0.0)
+    at = StepDraw(0, 0, 0, 0.0)
     plain = DiffusionObjective(ObjectiveSection(), 1, FakeAdapter()).loss(batch(), embeds(), at)
     snr = DiffusionObjective(ObjectiveSection(min_snr_gamma=1.0), 1, FakeAdapter()).loss(batch(), embeds(), at)
     guided = DiffusionObjective(ObjectiveSection(differential_guidance_scale=2.0), 1, FakeAdapter()).loss(

@@ -79,14 +79,15 @@ def test_a_user_error_is_one_message_without_a_traceback(tmp_path, caplog, monke
                                                   ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
 def test_a_sharded_launch_is_refused_before_any_model_loads(tmp_path, caplog, monkeypatch, launch_setting, name):
     """accelerate's FSDP or DeepSpeed launch (on the CPU accelerate would quietly run plain multi-process instead):
-    one message naming it and what to do, before the model loads (no checkpoint, no metrics)."""
+    one message naming it and what to do instead (`train.sharding: fsdp` on a --multi_gpu launch), before the model
+    loads (no checkpoint, no metrics)."""
     monkeypatch.setenv(launch_setting, "true")
     path = write_job(tmp_path / "job.yaml", "sharded", trainer_process(tmp_path, model={"arch": "qwen_image",
                                                                                       "name_or_path": "missing"}))
     assert run.main([str(path)]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any(f"this launch asks for {name}, which difftune does not support" in e and "--multi_gpu" in e
-               and "model.quantize" in e for e in errors), errors
+    assert any(f"this launch asks accelerate for {name}, which difftune does not use" in e and "--multi_gpu" in e
+               and "train.sharding: fsdp" in e for e in errors), errors
     assert not (tmp_path / "output" / "sharded" / "checkpoints").exists()
 
 

@@ -75,6 +75,11 @@ def _is_on(current: torch.device, target: torch.device) -> bool:
     return current.type == target.type and (target.index is None or current.index == target.index)
 
 
+#: the attribute a model built empty (toolkit/models/empty.py) keeps its weight files in: such a model is filled on its
+#: device shard by shard (toolkit/run/sharding.py), never moved as a whole
+WEIGHTS_ATTRIBUTE = "difftune_streamed_weights"
+
+
 def safe_module_to_device(module: torch.nn.Module, device: torch.device | str,
                           flush_after: bool = True) -> torch.nn.Module:
     """Move `module` to `device`; every module move in the project goes through here.
@@ -86,6 +91,8 @@ def safe_module_to_device(module: torch.nn.Module, device: torch.device | str,
     tensor (their data and scales move together, the dtype is kept), so no special case is needed.
     """
     target = torch.device(device)
+    if hasattr(module, WEIGHTS_ATTRIBUTE):
+        return module
     devices = tensor_devices(module)
     on_meta = [name for name, current in devices.items() if current.type == "meta"]
     if on_meta:
@@ -108,6 +115,8 @@ def move_frozen(module: torch.nn.Module, device: torch.device | str) -> torch.nn
     through `safe_module_to_device` (quantized weights included); the frozen tensors held directly by a module with
     trainable descendants (e.g. a block's modulation table) move one by one."""
     target = torch.device(device)
+    if hasattr(module, WEIGHTS_ATTRIBUTE):  # sharded: each process keeps its shards where they are
+        return module
     leaves_accelerator = target.type == "cpu" and any(d.type != "cpu" for d in tensor_devices(module).values())
     _move_frozen(module, target)
     if leaves_accelerator:

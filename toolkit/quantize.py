@@ -246,6 +246,16 @@ class StreamedWeights:
                     tensors[name] = tensor.to(device, dtype if tensor.is_floating_point() else None, copy=True)
         return tensors
 
+    def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `start:stop` (of dim 0) of one tensor, in `dtype` (floating point only), on the CPU: only those rows
+        are read from the file (a sharded process's part of a weight)."""
+        path, key = self.location[name]
+        with safe_open(str(path), "pt") as handle:
+            part = handle.get_slice(key)
+            shape = part.get_shape()
+            tensor = part[start:stop] if shape else handle.get_tensor(key)
+            return tensor.to("cpu", dtype if tensor.is_floating_point() else None, copy=True)
+
 
 def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype: torch.dtype, qtype: str | None,
                    blocks: list[str], exclude: list[str], device: torch.device | str, source: str) -> torch.nn.Module:

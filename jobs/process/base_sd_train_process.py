@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast, set_seed
+from torch.distributed.tensor import DTensor
 
 from jobs.context import JobContext
 from jobs.process.base_process import BaseProcess, StopRequested
@@ -40,6 +41,7 @@ from toolkit.run.folder import RunFolder
 from toolkit.run.monitor import Monitor, UpdateValues
 from toolkit.run.out_of_memory import JobMemory, OutOfMemory, is_out_of_memory, module_bytes, out_of_memory_message
 from toolkit.run.sampling import Sampler, SampleRenderer, cuda_devices
+from toolkit.run.sharding import Sharded, Unsharded, autocast_forward, shard_denoiser
 from toolkit.run.signals import GracefulStop
 from toolkit.train.ema import LoraEMA
 from toolkit.train.lr_schedulers import build_lr_scheduler
@@ -246,6 +248,7 @@ class BaseSDTrainProcess(BaseProcess):
         with self.in_phase("loading"):
             self.adapter = self.load_model()
             self.param_groups = self.add_network()
+            self.sharding = self.shard()
         self.lora_params = [param for group in self.param_groups for param in group["params"]]
         self.mirrors = [mirror_lora(self.adapter.trainable_module(), m) for m in self.adapter.sampling.mirrors()]
         self.data = TrainingData(cfg.datasets, cfg.trigger_word, cfg.train, self.adapter, self.placement, scanned)
@@ -271,9 +274,9 @@ class BaseSDTrainProcess(BaseProcess):
             renderer.check_size(self.adapter.divisor)
         self.sampler = Sampler(renderer, self.adapter, self.placement, self.trained_modules, self.mirrors,
                                acc.is_main_process, cfg.logging.debug_memory, weights=self.sample_weights,
-                               precision=self.precision)
+                               precision=self.precision, every_process_renders=self.sharding.enabled)
         self.say_which_files()
-        parts = TrainedParts(self.components, self.optimizer, self.lr_scheduler, acc.scaler, self.ema)
+        parts = TrainedParts(self.components, self.optimizer, self.lr_scheduler, acc.scaler, self.ema, self.sharding)
         self.checkpoints = Checkpoints(acc, self.folder.checkpoints, cfg.save.max_step_saves_to_keep, parts,
                                        cfg.model_dump(mode="json"), self.lora_metadata, cfg.logging.debug_memory)
 
@@ -293,21 +296,28 @@ class BaseSDTrainProcess(BaseProcess):
         validation = Validation(cfg.validation, held_out.items(adapter.divisor), cfg.train.objective, cfg.train.seed,
                                 adapter, sizes=adapter.facts.size_conditioning,
                                 mask_min_values=held_out.mask_min_values())
+        # sharded: every process takes part in every forward, so each evaluates every batch
+        processes, rank = (1, 0) if self.sharding.enabled else (acc.num_processes, acc.process_index)
         with modules_on(adapter.image_encoder_modules(), self.placement.device):
-            validation.encode_latents(acc.process_index, acc.num_processes)
+            validation.encode_latents(rank, processes)
         with modules_on(adapter.text_encoder_modules(), self.placement.device):
             validation.encode_prompts()
         return validation
 
+    @property
+    def sharded(self) -> bool:
+        """`train.sharding: fsdp` over more than one process (on one it changes nothing)."""
+        return self.config.train.sharding == "fsdp" and self.accelerator.num_processes > 1
+
     def load_model(self) -> ModelAdapter:
         cfg, acc = self.config, self.accelerator
         # The main process first: it alone downloads or builds (tiny presets) what is missing; the others then
-        # read the finished files instead of racing to write them. Only it renders samples, so only it loads
-        # models used for nothing else.
+        # read the finished files instead of racing to write them. Only it renders samples (sharded: all of them),
+        # so only it loads models used for nothing else. Sharded, the denoiser is built empty: `shard` fills it.
         with acc.main_process_first():
             adapter = get_adapter_class(cfg.model.arch).load(
-                cfg.model, acc.device, self.precision.base,
-                debug_memory=cfg.logging.debug_memory, sampling_models=acc.is_main_process)
+                cfg.model, acc.device, self.precision.base, debug_memory=cfg.logging.debug_memory,
+                sampling_models=acc.is_main_process or self.sharded, empty_denoiser=self.sharded)
         if cfg.train.zero_terminal_snr:
             adapter.use_zero_terminal_snr()
         adapter.use_training_guidance(cfg.train.guidance_scale, cfg.train.bypass_guidance_embedding)
@@ -324,9 +334,11 @@ class BaseSDTrainProcess(BaseProcess):
         idle = adapter.modules_without_gradients()
         denoiser_network = network if not idle else network.model_copy(
             update={"ignore_if_contains": [*(network.ignore_if_contains or []), *idle]})
+        # sharded: the LoRA waits on the CPU beside the empty denoiser until `shard` places each process's part
+        device = torch.device("cpu") if self.sharded else self.accelerator.device
         denoiser_params = [param for module in adapter.denoisers()  # one denoiser, or each trained expert
                            for param in add_lora(module, denoiser_network, adapter.lora_target_modules(),
-                                                 adapter.conv_target_modules(), self.accelerator.device)]
+                                                 adapter.conv_target_modules(), device)]
         groups = [{"params": denoiser_params}]
         self.text_params: list[torch.nn.Parameter] = []
         #: the text encoders' LR of the last update (None while they do not train)
@@ -368,6 +380,32 @@ class BaseSDTrainProcess(BaseProcess):
             else:
                 log.info("%s has no %s weights: its LoRA starts fresh", path, component.prefix)
 
+    def shard(self) -> Unsharded:
+        """`train.sharding: fsdp`: each denoiser (with its LoRA) sharded over the processes block by block and filled,
+        each process reading its part of the weights; the parameter groups then hold the sharded parameters."""
+        if not self.sharded:
+            return Unsharded()
+        cfg, acc = self.config, self.accelerator
+        denoisers = self.adapter.denoisers()
+        names = {id(param): (index, name) for index, module in enumerate(denoisers)
+                 for name, param in module.named_parameters()}
+        with memory_debug("sharding", cfg.logging.debug_memory):
+            for module in denoisers:
+                shard_denoiser(module, self.adapter.sharded_blocks, acc.device, cfg.train.fsdp_cpu_offload,
+                               self.runtime.host_group)
+        now = [dict(module.named_parameters()) for module in denoisers]
+
+        def sharded(param: torch.nn.Parameter) -> torch.nn.Parameter:
+            index, name = names[id(param)]
+            return now[index][name]
+
+        for group in self.param_groups:
+            group["params"] = [sharded(param) if id(param) in names else param for param in group["params"]]
+        if acc.is_main_process:
+            log.info("sharding: the denoiser split over %d processes (FSDP2, %d blocks)%s", acc.num_processes,
+                     len(self.adapter.sharded_blocks), ", shards in host memory" if cfg.train.fsdp_cpu_offload else "")
+        return Sharded(denoisers)
+
     def make_plan(self) -> TrainingPlan:
         train = self.config.train
         plan = TrainingPlan.create(
@@ -392,11 +430,15 @@ class BaseSDTrainProcess(BaseProcess):
         self.data.dataloader = self.data.make_dataloader(pin_memory=acc.device.type == "cuda", workers=workers,
                                                          num_processes=acc.num_processes,
                                                          rank=acc.process_index)
-        if len(self.adapter.denoisers()) > 1:
-            # experts: an update trains one of them, so the others' LoRA gets no gradient that update
-            self.runtime.allow_unused_parameters()
-        self.keep_frozen_out_of_ddp(self.adapter.trainable_module())
-        module, self.optimizer = acc.prepare(self.adapter.trainable_module(), self.optimizer)
+        if self.sharding.enabled:  # FSDP2 reduces the gradients itself: the model is not wrapped in DDP
+            module = autocast_forward(self.adapter.trainable_module(), acc)
+            self.optimizer = acc.prepare(self.optimizer)
+        else:
+            if len(self.adapter.denoisers()) > 1:
+                # experts: an update trains one of them, so the others' LoRA gets no gradient that update
+                self.runtime.allow_unused_parameters()
+            self.keep_frozen_out_of_ddp(self.adapter.trainable_module())
+            module, self.optimizer = acc.prepare(self.adapter.trainable_module(), self.optimizer)
         self.adapter.use_for_training(module)
         if self.text_params and acc.num_processes > 1:
             # DDP broadcasts rank 0's initial weights of the module it wraps; the text encoders' LoRA likewise here
@@ -522,13 +564,16 @@ class BaseSDTrainProcess(BaseProcess):
         batches since its prepared loader began, and which an environment variable can change)."""
         if ends_update or self.accelerator.num_processes == 1:
             return contextlib.nullcontext()
+        if self.sharding.enabled:
+            return self.sharding.gradient_sync(False)
         return self.accelerator.no_sync(self.trained_module)
 
     def train_step(self, batch: dict, epoch: int, micro_batch: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective's loss of one micro-batch and its named parts."""
         self.last_indices = batch["indices"]
         self.faults.phase("training")
-        at = StepDraw(epoch, micro_batch, self.accelerator.process_index, self.position.global_step,
+        acc = self.accelerator
+        at = StepDraw(epoch, micro_batch * acc.num_processes + acc.process_index, self.position.global_step,
                       min(1.0, self.position.global_step / self.plan.total_updates))
         result = self.objective.loss(batch, self.data.embeds_for(batch, epoch), at)
         if self.monitor.timestep_stats is not None:
@@ -615,7 +660,8 @@ class BaseSDTrainProcess(BaseProcess):
         torch's own clipping, which is what accelerate's `clip_grad_norm_` comes to for DDP or one process, without
         its grouping of the parameters by device mesh for sharded training (difftune shards none) at every update."""
         self.accelerator.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.train.max_grad_norm or float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.train.max_grad_norm or float("inf"))
+        return norm.to_local() if isinstance(norm, DTensor) else norm  # sharded: every process has the total
 
     def average_text_encoder_grads(self) -> None:
         """The text encoders are not wrapped in DDP (their LoRA is small, and wrapping would route every prompt
@@ -720,7 +766,7 @@ class BaseSDTrainProcess(BaseProcess):
         self.nonfinite.check(step)  # the final files are never of weights a non-finite update reached
         if self.checkpoints.last_saved_step != step:
             self.save_checkpoint()
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process or self.sharding.enabled:
             self.write_final_loras()
         self.monitor.metrics.close()
         if not (self.config.sample.sample_every and step % self.config.sample.sample_every == 0):
@@ -736,7 +782,7 @@ class BaseSDTrainProcess(BaseProcess):
         missing = not self.folder.final_lora_form(primary, primary, first_part).exists()
         if self.ema is not None and self.ema.started:
             missing |= not self.folder.final_lora_form(primary, primary, first_part, ema=True).exists()
-        if self.accelerator.is_main_process and missing:
+        if (self.accelerator.is_main_process or self.sharding.enabled) and missing:
             self.write_final_loras()
         self.monitor.write_report()
         self.monitor.ended("finished", self.position.global_step)
@@ -797,17 +843,22 @@ class BaseSDTrainProcess(BaseProcess):
 
     def write_final_loras(self) -> None:
         """<name>.safetensors in the family's primary form, and each other form `save.formats` lists beside it as
-        <name>.<form>.safetensors, with the metadata `save.metadata` asks for."""
+        <name>.<form>.safetensors, with the metadata `save.metadata` asks for. Sharded, every process gathers the
+        weights and the main process writes."""
         metadata = lora_metadata(self.training_facts(self.position.global_step), self.config.save.metadata)
         with self.in_phase("final"):
-            with evaluation_weights(self.optimizer):  # schedule-free: the averaged weights are the trained LoRA
+            # schedule-free: the averaged weights are the trained LoRA
+            with evaluation_weights(self.optimizer), self.sharding.gathered():
                 self.write_final_forms(metadata, ema=False)
             if self.ema is not None and self.ema.started:
-                with self.ema.applied():
+                with self.ema.applied(), self.sharding.gathered():
                     self.write_final_forms(metadata, ema=True)
 
     def write_final_forms(self, metadata: dict[str, str], ema: bool) -> None:
-        """Every form of every file part with the weights now in the trained parameters (`ema`: named as the EMA)."""
+        """Every form of every file part with the weights now in the trained parameters (`ema`: named as the EMA);
+        written by the main process."""
+        if not self.accelerator.is_main_process:
+            return
         files = self.adapter.files
         parts = dict.fromkeys(c.file_part for c in self.components)  # one file per part, in order
         for part in parts:

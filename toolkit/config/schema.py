@@ -31,7 +31,7 @@ from toolkit.config.sections import (
     TrainConfig,
     ValidationConfig,
 )
-from toolkit.models.config import ModelConfigBase
+from toolkit.models.config import ModelConfigBase, is_single_file
 from toolkit.models.registry import config_classes, family_facts
 
 __all__ = ["DType", "QType", "Section", "aka", "ModelConfig", "ModelConfigBase", "SDTrainerConfig", "JobBody", "JobConfig",
@@ -67,7 +67,8 @@ class SDTrainerConfig(Section):
 
     def problems(self) -> list[Problem]:
         """Checks against the family's facts and across sections, before any weight loads."""
-        return self._family_problems() + self._text_encoder_lora_problems() + self._precision_problems()
+        return (self._family_problems() + self._text_encoder_lora_problems() + self._precision_problems()
+                + self._sharding_problems())
 
     def _family_problems(self) -> list[Problem]:
         """What the family can do: keys it has no use for, or that need another of its keys."""
@@ -133,6 +134,35 @@ class SDTrainerConfig(Section):
                      "layers cannot take activations of the other half precision; use the same for both, or "
                      "model.dtype: fp32")]
         return []
+
+    def _sharding_problems(self) -> list[Problem]:
+        """What `train.sharding: fsdp` cannot go with, each named with the other key (toolkit/run/sharding.py)."""
+        train, model, network = self.train, self.model, self.network
+        if train.sharding != "fsdp":
+            if train.fsdp_cpu_offload:
+                return [("train.fsdp_cpu_offload", "applies only with train.sharding: fsdp")]
+            return []
+        problems = []
+        why = "cannot go with train.sharding: fsdp"
+        if getattr(model, "quantize", False):
+            problems.append(("model.quantize", f"{why}: quanto's packed weights are not parameters FSDP can shard; "
+                             "train the quantized base with DDP (train.sharding: none), or shard it unquantized"))
+        if is_single_file(model.name_or_path):
+            problems.append(("model.name_or_path", f"a single model file {why} yet: each process reads its part of "
+                             "each weight from a diffusers folder (a model folder with transformer/ or unet/)"))
+        if getattr(model, "assistant_lora_path", None):
+            problems.append(("model.assistant_lora_path", f"{why}: the assistant LoRA is merged into full weights "
+                             "before training, and no process holds them"))
+        if getattr(model, "sampling", None) is not None:
+            problems.append(("model.sampling", f"{why}: the separate sampling model would hold the trained LoRA "
+                             "outside the sharded model"))
+        if network.use_dora:
+            problems.append(("network.use_dora", f"{why}: DoRA's magnitudes start from the full base weights"))
+        if network.train_text_encoder:
+            problems.append(("network.train_text_encoder", f"{why} yet: the text encoders are not sharded"))
+        if train.compile:
+            problems.append(("train.compile", f"{why} yet"))
+        return problems
 
     def _text_encoder_lora_problems(self) -> list[Problem]:
         """A trained text encoder encodes every caption live; combinations that cannot are named here."""

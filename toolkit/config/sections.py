@@ -339,6 +339,14 @@ class RuntimeSection(Section):
         "skips are neither.")
     max_skipped_updates: int = Field(10, ge=1, description="on_nan: skip: the run stops after this many skipped "
                                      "updates in total (resumes included).")
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="How several processes hold the denoiser. `none`: each holds all of it and the trained "
+        "weights are averaged (DDP). `fsdp`: the denoiser and its trained weights are split over the processes block "
+        "by block (torch's FSDP2), each process reading only its part from the weight files, so a base larger than "
+        "one GPU trains without quantizing it; every process takes part in each forward, samples included. One "
+        "process: no difference. Not with model.quantize (see docs/multi-gpu.md).")
+    fsdp_cpu_offload: bool = Field(False, description="sharding: fsdp: keep each process's shards in host memory, "
+                                   "brought to the GPU block by block as they compute (the largest bases; slower).")
     persistent_workers: bool = Field(True, description="Keep the DataLoader workers for a further pass of the "
                                      "loader. A run's loader makes one pass over all of its epochs, so its workers "
                                      "live from the first epoch to the last either way; kept for configs from other "

@@ -258,6 +258,9 @@ class ModelAdapter(ABC):
     #: the classes of its optional parts
     text_rules: ClassVar[type[TextRules]] = TextRules
     sampling_parts: ClassVar[type[SamplingParts]]
+    #: the denoiser's repeated blocks, each its own unit under `train.sharding: fsdp` (toolkit/run/sharding.py): the
+    #: name of a ModuleList stands for each of its children, any other name for that module (absent ones are skipped)
+    sharded_blocks: ClassVar[tuple[str, ...]] = ()
 
     noise_schedule: NoiseSchedule
     #: image sides must be multiples of this (latent downscale x denoiser downscale)
@@ -266,9 +269,12 @@ class ModelAdapter(ABC):
     @classmethod
     @abstractmethod
     def load(cls, model_cfg: ModelConfigBase, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> ModelAdapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> ModelAdapter:
         """Load (or build, for tiny presets) and place every component; `debug_memory` logs memory per stage.
-        `sampling_models`: also load models used only for sample images (only the process that renders does)."""
+        `sampling_models`: also load models used only for sample images (only the processes that render do).
+        `empty_denoiser`: the denoiser (each trained one) is built on the meta device from its config, its weight
+        files kept on it (`toolkit.models.common.pretrained_denoiser`); `train.sharding: fsdp` fills it shard by shard."""
 
     # ---- text and images -------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from diffusers import DDPMScheduler
 
-from toolkit.device import as_dtype, safe_module_to_device, to_device
+from toolkit.device import WEIGHTS_ATTRIBUTE, as_dtype, safe_module_to_device, to_device
 from toolkit.diffusion.timesteps import ShiftSchedule
 from toolkit.models.base import LatentDist, TextRules
 from toolkit.models.config import is_single_file  # noqa: F401  (the adapters take it from here)
@@ -172,6 +172,40 @@ def subfolder_weight_files(source: str, subfolder: str, variant: str | None, rev
     folder = snapshot_download(source, allow_patterns=[f"{subfolder}/*.json", weights], revision=revision,
                                ignore_patterns=None if variant else [f"{subfolder}/*.*.safetensors"])
     return weight_files(Path(folder) / subfolder, variant)
+
+
+def empty_denoiser(model_class, source: str, subfolder: str, dtype: torch.dtype, variant: str | None = None,
+                   revision: str | None = None) -> torch.nn.Module:
+    """The denoiser built from its config alone (`train.sharding: fsdp`): parameters on the meta device in `dtype`
+    (the modules diffusers keeps in float32, `_keep_in_fp32_modules`, in float32), buffers computed on the CPU (rotary
+    tables and the like are made at construction, not read), frozen, in eval mode. Its weight files are kept on it
+    (`WEIGHTS_ATTRIBUTE`): toolkit/run/sharding.py fills each process's rows from them."""
+    from accelerate import init_empty_weights
+
+    from toolkit.quantize import StreamedWeights
+
+    config = model_class.load_config(source, subfolder=subfolder, revision=revision)
+    with init_empty_weights(include_buffers=False):
+        model = model_class.from_config(config)
+    model.to(dtype)
+    keep = model_class._keep_in_fp32_modules or []
+    if dtype != torch.float32 and keep:
+        for name, module in model.named_modules():
+            if any(part in name.split(".") for part in keep):
+                module.to(torch.float32)
+    model.requires_grad_(False)
+    setattr(model, WEIGHTS_ATTRIBUTE, StreamedWeights(subfolder_weight_files(source, subfolder, variant, revision)))
+    return model.eval()
+
+
+def pretrained_denoiser(model_class, source: str, subfolder: str, dtype: torch.dtype, empty: bool = False,
+                        variant: str | None = None, revision: str | None = None) -> torch.nn.Module:
+    """A family's denoiser from a diffusers folder or hub id: loaded by diffusers' `from_pretrained`, or with `empty`
+    built on the meta device for the sharding to fill (`empty_denoiser`)."""
+    if empty:
+        return empty_denoiser(model_class, source, subfolder, dtype, variant, revision)
+    return model_class.from_pretrained(source, subfolder=subfolder, torch_dtype=dtype, variant=variant,
+                                       revision=revision)
 
 
 def first_weight(module: torch.nn.Module) -> torch.Tensor:

@@ -89,10 +89,11 @@ def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[
     `peft_config`."""
     linear_names, conv_names = select_targets(module, cfg, default_targets, conv_targets or [])
     config = build_network_config(cfg, linear_names, conv_names)
-    if isinstance(module, ModelMixin):
-        module.add_adapter(config)
-    else:
-        inject_adapter_in_model(config, module, adapter_name=ADAPTER)
+    with adapters_made_on_host(module):
+        if isinstance(module, ModelMixin):
+            module.add_adapter(config)
+        else:
+            inject_adapter_in_model(config, module, adapter_name=ADAPTER)
     if cfg.type == "lora" and (cfg.rank_dropout or cfg.module_dropout):
         add_lora_dropouts(module, cfg.rank_dropout, cfg.module_dropout)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -101,6 +102,26 @@ def add_lora(module: torch.nn.Module, cfg: NetworkConfig, default_targets: list[
     for param in params:
         param.data = param.data.to(device=device, dtype=torch.float32)
     return params
+
+
+@contextmanager
+def adapters_made_on_host(module: torch.nn.Module):
+    """peft puts each new adapter layer on its base layer's device, so on a model built on the meta device (a sharded
+    base, filled later: toolkit/run/sharding.py) the adapter's initial values would be lost. Inside this block each
+    meta parameter is stood in for by a CPU tensor of its shape and dtype that takes no memory (one element, expanded),
+    so peft makes the adapter on the CPU in the base's dtype, from the same random stream as on a loaded model; the
+    meta parameters are put back after. (peft has no option for it.) Nothing in peft may read the base's values
+    meanwhile: DoRA, whose magnitudes start from them, is refused with sharding at config time."""
+    held = [(owner, name, param) for owner in module.modules() for name, param in owner._parameters.items()
+            if param is not None and param.device.type == "meta"]
+    for owner, name, param in held:
+        stand_in = torch.empty((), dtype=param.dtype).expand(param.shape)
+        owner._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=False)
+    try:
+        yield
+    finally:
+        for owner, name, param in held:
+            owner._parameters[name] = param
 
 
 def adapter_layers(module: torch.nn.Module) -> dict[str, BaseTunerLayer]:

@@ -61,17 +61,17 @@ SHARDING_LAUNCHES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": 
 
 
 def refuse_sharded_launch() -> None:
-    """difftune trains with DDP only: each process holds the frozen base (quantized where asked) and the LoRA is
-    the only thing synchronised. A launch asking for FSDP or DeepSpeed is refused before anything loads, rather
-    than trained some other way than asked (on the CPU accelerate even turns FSDP into plain multi-process)."""
+    """Sharding is the job file's `train.sharding: fsdp` (torch's FSDP2 on a plain multi-process launch,
+    toolkit/run/sharding.py), not accelerate's launch settings: a launch asking accelerate for FSDP or DeepSpeed is
+    refused before anything loads, rather than trained some other way than asked (on the CPU accelerate even turns
+    FSDP into plain multi-process)."""
     asked = [name for key, name in SHARDING_LAUNCHES.items() if os.environ.get(key, "").lower() in ("1", "true")]
     if asked:
         raise UserError(
-            f"this launch asks for {asked[0]}, which difftune does not support: it trains LoRAs with DDP "
-            "(`accelerate launch --multi_gpu`), each GPU holding the whole frozen base. A base quantized with "
-            "optimum-quanto (model.quantize) cannot be sharded by FSDP or DeepSpeed at all (its packed weights are "
-            "not shardable parameters). For a model too big for one card, quantize it (e.g. `qtype: qint4`, "
-            "with `quantize_te` and `low_vram`) and launch with --multi_gpu; see docs/multi-gpu.md.")
+            f"this launch asks accelerate for {asked[0]}, which difftune does not use: launch with "
+            "`accelerate launch --multi_gpu` and set `train.sharding: fsdp` in the job file to split the denoiser over "
+            "the GPUs (or leave it `none` for DDP, each GPU holding the whole base, quantized where model.quantize "
+            "asks); see docs/multi-gpu.md.")
 
 
 def enable_cpu_fp16(accelerator: Accelerator) -> None:

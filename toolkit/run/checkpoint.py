@@ -34,6 +34,8 @@ from toolkit.run.checkpoint_folders import (
 )
 from toolkit.train.plan import Position, resumed_position
 
+from toolkit.run.sharding import Unsharded
+
 if TYPE_CHECKING:
     from toolkit.models.base import LoraComponent
     from toolkit.train.ema import LoraEMA
@@ -236,6 +238,8 @@ class TrainedParts:
     lr_scheduler: Any
     scaler: Any = None
     ema: LoraEMA | None = None
+    #: how the processes hold the trained weights (toolkit/run/sharding.py): sharded, a checkpoint gathers them
+    sharding: Unsharded = field(default_factory=lambda: Unsharded())
 
     @property
     def in_checkpoint(self) -> list[LoraComponent]:
@@ -275,8 +279,8 @@ class Checkpoints:
             begin(self.dir, state.global_step)
         acc.wait_for_everyone()
         torch.save(capture_rng(), rng_file(tmp, acc.process_index))
-        if acc.is_main_process:
-            self.write_payload(tmp, state.global_step)
+        if acc.is_main_process or self.parts.sharding.enabled:  # sharded: every process gathers, the main one writes
+            self.write_payload(tmp, state.global_step, write=acc.is_main_process)
         acc.wait_for_everyone()
         if acc.is_main_process:
             commit(tmp, state)
@@ -299,16 +303,25 @@ class Checkpoints:
             started_at=self.started_at, skipped_updates=position.skipped_updates,
         )
 
-    def write_payload(self, folder: Path, step: int) -> None:
-        """Everything but the RNG files; a float32 LoRA so that a resume continues exactly."""
+    def write_payload(self, folder: Path, step: int, write: bool = True) -> None:
+        """Everything but the RNG files; a float32 LoRA so that a resume continues exactly. Sharded, the LoRA, its EMA
+        and the optimizer state are gathered to full tensors (every process calls this; `write` on the main one): the
+        files are those of an unsharded run, so a run resumes on any process count."""
         from toolkit.network.lora import write_components_file
 
-        parts = self.parts
-        write_components_file(folder / LORA_FILE, parts.in_checkpoint, torch.float32, self.lora_metadata(step))
+        parts, sharding = self.parts, self.parts.sharding
+        with sharding.gathered():
+            if write:
+                write_components_file(folder / LORA_FILE, parts.in_checkpoint, torch.float32, self.lora_metadata(step))
         if parts.ema is not None and parts.ema.started:
-            with parts.ema.applied():
-                write_components_file(folder / EMA_FILE, parts.in_checkpoint, torch.float32, self.lora_metadata(step))
-        torch.save(parts.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+            with parts.ema.applied(), sharding.gathered():
+                if write:
+                    write_components_file(folder / EMA_FILE, parts.in_checkpoint, torch.float32,
+                                          self.lora_metadata(step))
+        optimizer_state = sharding.optimizer_state(parts.optimizer)
+        if not write:
+            return
+        torch.save(optimizer_state, folder / OPTIMIZER_FILE)
         torch.save(parts.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         if parts.scaler is not None:
             torch.save(parts.scaler.state_dict(), folder / SCALER_FILE)
@@ -349,10 +362,11 @@ class Checkpoints:
             read_components_file,
         )
 
-        parts, components = self.parts, self.parts.in_checkpoint
+        parts, components, sharding = self.parts, self.parts.in_checkpoint, self.parts.sharding
         lora_file = folder / LORA_FILE
         saved_lora = load_safetensors(lora_file, lambda path: read_components_file(path, components))
-        expected = components_state_dict(components, torch.float32)
+        with sharding.gathered():  # sharded: the full shapes
+            expected = components_state_dict(components, torch.float32)
         problems = compare_lora_state(expected, saved_lora)
         saved_optimizer = load_torch(folder / OPTIMIZER_FILE)
         problems += [f"{OPTIMIZER_FILE}: {problem}" for problem in optimizer_problems(saved_optimizer, parts.optimizer)]
@@ -362,17 +376,19 @@ class Checkpoints:
             problems += [f"{EMA_FILE}: {problem}" for problem in compare_lora_state(expected, saved_ema)]
         if problems:
             raise CheckpointError(f"checkpoint {folder} does not match the current config: " + "; ".join(problems))
-        with memory_debug("LoRA load", self.debug_memory):
+        # sharded: loaded into the full weights, each process keeping its part
+        with memory_debug("LoRA load", self.debug_memory), sharding.gathered(write_back=True):
             for component in components:
                 load_lora_state(component.module, saved_lora, component.prefix, str(lora_file))
         if saved_ema is not None:
-            with parts.ema.loading():
+            with parts.ema.loading(), sharding.gathered(write_back=True):
                 for component in components:
                     load_lora_state(component.module, saved_ema, component.prefix, str(folder / EMA_FILE))
         elif parts.ema is not None and step >= parts.ema.cfg.start_step:
             log.warning("%s has no EMA (train.ema was off or started later): the EMA starts from the weights of "
                         "step %d", folder, step)
             parts.ema.capture()
+        saved_optimizer = sharding.optimizer_state_for(saved_optimizer, parts.optimizer)
         for change in load_optimizer_keeping_hyperparameters(parts.optimizer, saved_optimizer):
             log.info("optimizer setting changed since the checkpoint: %s", change)
         if parts.scaler is not None and (folder / SCALER_FILE).is_file():

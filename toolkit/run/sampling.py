@@ -94,10 +94,13 @@ class SampleRenderer:
 
     @torch.no_grad()
     def render(self, adapter: ModelAdapter, step: int, progress: bool = False,
-               conditioning: list[dict | None] | None = None) -> list[Path]:
+               conditioning: list[dict | None] | None = None, write: bool = True) -> list[Path]:
+        """Every prompt rendered; written unless `write` is off (a sharded run's other processes render with the main
+        one, each taking part in every forward, and write nothing)."""
         pipe = adapter.sampling.pipeline()
         pipe.set_progress_bar_config(disable=True)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if write:
+            self.folder.mkdir(parents=True, exist_ok=True)
         written = []
         for index, prompt in enumerate(tqdm(self.prompts, desc="sampling", unit="image", leave=False,
                                             disable=not progress)):
@@ -118,6 +121,8 @@ class SampleRenderer:
                 height=self.cfg.height,
                 generator=torch.Generator(device="cpu").manual_seed(seed),
             )
+            if not write:
+                continue
             guidance_record = {k: v for k, v in arguments.items() if k not in text}
             extras = {"negative_prompt": adapter.sampling.negative_prompt(self.cfg.neg),
                       **adapter.sampling.reproduction()}
@@ -134,14 +139,16 @@ class SampleRenderer:
 
 
 class Sampler:
-    """The samples part of a run: renders `sample.prompts` on the main process with the encoders and sample-only
+    """The samples part of a run: renders `sample.prompts` on the main process (sharded: on every process, the main
+    one writing) with the encoders and sample-only
     models brought to the accelerator just for that (an offloaded text encoder visits alone, first, and has left
     again before the sampling model arrives), the trained modules in eval mode, the weights `weights()` puts in
     place (the EMA, schedule-free's average; the trained ones by default) and the global RNG untouched."""
 
     def __init__(self, renderer: SampleRenderer, adapter: ModelAdapter, placement: ModulePlacement,
                  trained_modules: list[torch.nn.Module], mirrors: list, is_main: bool, debug_memory: bool = False,
-                 weights: Callable[[], AbstractContextManager] = nullcontext, precision: Precision | None = None):
+                 weights: Callable[[], AbstractContextManager] = nullcontext, precision: Precision | None = None,
+                 every_process_renders: bool = False):
         self.weights = weights
         #: the run's dtypes: the pipeline's denoisers compute as in training (None: as they are, e.g. in tests)
         self.precision = precision
@@ -151,6 +158,8 @@ class Sampler:
         self.trained_modules = trained_modules
         self.mirrors = mirrors
         self.is_main = is_main
+        #: a sharded denoiser computes on every process together, so every process renders
+        self.every_process_renders = every_process_renders
         self.debug_memory = debug_memory
 
     @property
@@ -158,8 +167,9 @@ class Sampler:
         return self.renderer.enabled
 
     def render(self, step: int, progress: bool = False) -> list[Path]:
-        """Main process only (the caller keeps the other processes waiting)."""
-        if not (self.enabled and self.is_main):
+        """Main process only (the caller keeps the other processes waiting); sharded, every process, the main one
+        writing."""
+        if not (self.enabled and (self.is_main or self.every_process_renders)):
             return []
         device = self.placement.device
         try:
@@ -169,7 +179,8 @@ class Sampler:
                 conditioning = self.conditioning()
                 with (modules_on(self.modules_for(conditioning), device, while_moving=self.mirrors_detached),
                       self.denoisers_as_in_training()):
-                    return self.renderer.render(self.adapter, step, progress, conditioning)
+                    return self.renderer.render(self.adapter, step, progress and self.is_main, conditioning,
+                                                write=self.is_main)
         finally:
             flush()
 

@@ -25,12 +25,13 @@ from toolkit.train.seeding import derive_seed, seeded_generator
 
 @dataclass
 class StepDraw:
-    """Where a micro-batch sits in training: every draw is a pure function of (seed, purpose, epoch, micro-batch,
-    rank), and the schedule-dependent ones of the update index and progress."""
+    """Where a micro-batch sits in training: every draw is a pure function of (seed, purpose, epoch, batch), and the
+    schedule-dependent ones of the update index and progress. `batch` is the micro-batch's place in its epoch's batch
+    order over all processes (process r of N takes batches r, r + N, ...: its micro-batch m is batch m x N + r), so a
+    batch draws the same noise and timesteps whichever process, and however many, compute it."""
 
     epoch: int
-    micro_batch: int
-    rank: int
+    batch: int
     update_index: int
     progress: float
 
@@ -74,7 +75,7 @@ class DiffusionObjective:
         cfg, schedule = self.cfg, self.adapter.noise_schedule
 
         def draws(purpose: str) -> torch.Generator:
-            return self.seeded(purpose, at.epoch, at.micro_batch, at.rank)
+            return self.seeded(purpose, at.epoch, at.batch, 0)  # the 0 keeps one process's draws as before
 
         latents = self.batch_latents(batch, draws("latent_sample"))
         # drawn on the host (the same numbers on every device type), sent without waiting for the device

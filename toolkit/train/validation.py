@@ -142,6 +142,8 @@ class Validation:
         (seed, batch), size facts, loss masks."""
         adapter = self.adapter
         self.batches = []
+        #: whether the batches are split over the processes (their losses then summed by `evaluate`)
+        self.split = processes > 1
         for number, rows in enumerate(self.batch_rows()):
             if number % processes != rank:
                 continue
@@ -208,7 +210,7 @@ class Validation:
     def evaluate(self, module: torch.nn.Module, accelerator) -> dict[str, float]:
         """The figures of the current weights, the same on every process (collective: call on all of them)."""
         table = self.losses(module)
-        if accelerator.num_processes > 1:
+        if self.split:
             table = accelerator.reduce(table.to(accelerator.device), reduction="sum").cpu()
         return self.figures(table)
 

@@ -46,6 +46,7 @@ from toolkit.models.common import (
     first_weight,
     is_single_file,
     place_frozen,
+    pretrained_denoiser,
     vae_latent_dist,
     vae_latents,
 )
@@ -152,6 +153,7 @@ class FluxAdapter(ModelAdapter):
                            comfy_peft_names=True, kohya_base_model="flux1", modelspec_architecture="flux-1-dev/lora")
     text_rules = FluxText
     sampling_parts = FluxSampling
+    sharded_blocks = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler, source: str,
                  max_sequence_length: int | None = None):
@@ -187,7 +189,8 @@ class FluxAdapter(ModelAdapter):
 
     @classmethod
     def load(cls, model_cfg: FluxModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> FluxAdapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> FluxAdapter:
         """The transformer (the assistant LoRA merged before any quantization) and the other parts; then the
         transformer and T5 quantized block by block onto the accelerator where asked."""
         source = cls.resolve_source(model_cfg.name_or_path)
@@ -199,9 +202,8 @@ class FluxAdapter(ModelAdapter):
                 transformer = cls.transformer_from_single_file(source, dtype, components)
                 parts = cls.load_components(components, dtype, None, None)
             else:
-                transformer = FluxTransformer2DModel.from_pretrained(
-                    source, subfolder="transformer", torch_dtype=dtype, variant=model_cfg.variant,
-                    revision=model_cfg.revision)
+                transformer = pretrained_denoiser(FluxTransformer2DModel, source, "transformer", dtype, empty_denoiser,
+                                                  variant=model_cfg.variant, revision=model_cfg.revision)
                 parts = cls.load_components(source, dtype, model_cfg.variant, model_cfg.revision)
         transformer.requires_grad_(False)
         transformer.eval()

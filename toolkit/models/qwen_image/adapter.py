@@ -43,6 +43,7 @@ from toolkit.models.common import (
     first_weight,
     is_single_file,
     place_frozen,
+    pretrained_denoiser,
     subfolder_weight_files,
     transformers_quantization,
     weights_placement,
@@ -152,6 +153,7 @@ class QwenImageAdapter(ModelAdapter):
                            kohya_base_model="qwen_image", modelspec_architecture="qwen-image/lora")
     text_rules = QwenImageText
     sampling_parts = QwenImageSampling
+    sharded_blocks = ("transformer_blocks",)
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, source: str,
                  max_sequence_length: int = MAX_TOKENS):
@@ -176,7 +178,8 @@ class QwenImageAdapter(ModelAdapter):
 
     @classmethod
     def load(cls, model_cfg: QwenImageModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> QwenImageAdapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> QwenImageAdapter:
         """The transformer (read and quantized block by block onto the accelerator with `quantize`, so that it is
         never whole in full precision), the text encoder (quantized by transformers as its weights load with
         `quantize_te`), VAE, tokenizer and scheduler; then everything placed."""
@@ -188,7 +191,7 @@ class QwenImageAdapter(ModelAdapter):
         # an assistant LoRA is merged in full precision, before any quantization
         qtype = model_cfg.qtype if model_cfg.quantize and not model_cfg.assistant_lora_path else None
         with memory_debug("transformer load" + (" and quantization" if qtype else ""), debug_memory):
-            transformer = cls.load_transformer(source, components, dtype, qtype, device, **kw)
+            transformer = cls.load_transformer(source, components, dtype, qtype, device, empty=empty_denoiser, **kw)
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
@@ -214,16 +217,15 @@ class QwenImageAdapter(ModelAdapter):
     @classmethod
     def load_transformer(cls, source: str, components: str, dtype: torch.dtype, qtype: str | None = None,
                          device: torch.device | str = "cpu", variant: str | None = None,
-                         revision: str | None = None) -> QwenImageTransformer2DModel:
+                         revision: str | None = None, empty: bool = False) -> QwenImageTransformer2DModel:
         """The transformer, frozen. With `qtype`, or from a single file, it is built empty from its config and read
         layer by layer onto `device` (quantized on the way with `qtype`; toolkit.quantize.load_quantized), so it is
         never whole in full precision. A single file (ComfyUI's layout: diffusers' names, with or without a
         `model.diffusion_model.` prefix) takes its config from `components`. Otherwise diffusers' `from_pretrained`."""
         single = is_single_file(source)
         if not single and qtype is None:
-            transformer = QwenImageTransformer2DModel.from_pretrained(source, subfolder="transformer",
-                                                                      torch_dtype=dtype, variant=variant,
-                                                                      revision=revision)
+            transformer = pretrained_denoiser(QwenImageTransformer2DModel, source, "transformer", dtype, empty,
+                                              variant=variant, revision=revision)
             transformer.requires_grad_(False)
             return transformer.eval()
         from accelerate import init_empty_weights

@@ -29,6 +29,7 @@ from toolkit.models.common import (
     encoder_identity,
     first_weight,
     place_frozen,
+    pretrained_denoiser,
 )
 from toolkit.models.sd15.config import FACTS, SD15ModelConfig
 from toolkit.models.sd15.tiny import ensure_tiny_sd15
@@ -58,6 +59,7 @@ class SD15Adapter(StableDiffusionAdapter):
                            modelspec_architecture="stable-diffusion-v1/lora")
     text_rules = ClipTextRules
     sampling_parts = SD15Sampling
+    sharded_blocks = ("down_blocks", "mid_block", "up_blocks")
 
     def __init__(self, unet, vae, text_encoder, tokenizer, scheduler, source: str):
         self.init_denoiser(unet, vae, scheduler, source)
@@ -66,7 +68,8 @@ class SD15Adapter(StableDiffusionAdapter):
 
     @classmethod
     def load(cls, model_cfg: SD15ModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> SD15Adapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> SD15Adapter:
         source = normalize_path(model_cfg.name_or_path)
         if source == "tiny":
             source = str(ensure_tiny_sd15())
@@ -74,16 +77,16 @@ class SD15Adapter(StableDiffusionAdapter):
             if source.endswith((".safetensors", ".ckpt")):
                 parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
             else:
-                parts = cls._load_folder(source, model_cfg, dtype)
+                parts = cls._load_folder(source, model_cfg, dtype, empty_denoiser)
         unet, vae, text_encoder, tokenizer, scheduler = parts
         adapter = cls(unet, vae, text_encoder, tokenizer, ddpm_scheduler(scheduler, model_cfg.prediction_type), source)
         place_frozen(adapter.unet, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
 
     @staticmethod
-    def _load_folder(source: str, model_cfg: SD15ModelConfig, dtype: torch.dtype) -> tuple:
+    def _load_folder(source: str, model_cfg: SD15ModelConfig, dtype: torch.dtype, empty_denoiser: bool = False) -> tuple:
         kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
-        unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", torch_dtype=dtype, **kw)
+        unet = pretrained_denoiser(UNet2DConditionModel, source, "unet", dtype, empty_denoiser, **kw)
         vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
         text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
         tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=model_cfg.revision)

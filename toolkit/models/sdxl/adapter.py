@@ -32,6 +32,7 @@ from toolkit.models.common import (
     encoder_identity,
     first_weight,
     place_frozen,
+    pretrained_denoiser,
     run_in_own_dtype,
 )
 from toolkit.models.config import is_single_file
@@ -70,6 +71,7 @@ class SDXLAdapter(StableDiffusionAdapter):
                            modelspec_architecture="stable-diffusion-xl-v1-base/lora", comfy_renames=sgm_unet_renames)
     text_rules = ClipTextRules
     sampling_parts = SDXLSampling
+    sharded_blocks = ("down_blocks", "mid_block", "up_blocks")
 
     def __init__(self, unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler, source: str,
                  vae_source: str | None = None):
@@ -84,7 +86,8 @@ class SDXLAdapter(StableDiffusionAdapter):
 
     @classmethod
     def load(cls, model_cfg: SDXLModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> SDXLAdapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> SDXLAdapter:
         source = normalize_path(model_cfg.name_or_path)
         if source == "tiny":
             source = str(ensure_tiny_sdxl())
@@ -92,7 +95,7 @@ class SDXLAdapter(StableDiffusionAdapter):
             if source.endswith((".safetensors", ".ckpt")):
                 parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
             else:
-                parts = cls._load_folder(source, model_cfg, dtype)
+                parts = cls._load_folder(source, model_cfg, dtype, empty_denoiser)
             unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler = parts
             vae_source = (normalize_path(model_cfg.vae_name_or_path, "model.vae_name_or_path")
                           if model_cfg.vae_name_or_path else None)
@@ -106,9 +109,9 @@ class SDXLAdapter(StableDiffusionAdapter):
         return adapter
 
     @staticmethod
-    def _load_folder(source: str, model_cfg: SDXLModelConfig, dtype: torch.dtype) -> tuple:
+    def _load_folder(source: str, model_cfg: SDXLModelConfig, dtype: torch.dtype, empty_denoiser: bool = False) -> tuple:
         kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
-        unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", torch_dtype=dtype, **kw)
+        unet = pretrained_denoiser(UNet2DConditionModel, source, "unet", dtype, empty_denoiser, **kw)
         vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
         text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
         text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(source, subfolder="text_encoder_2", dtype=dtype,

@@ -42,6 +42,7 @@ from toolkit.models.common import (
     first_weight,
     is_single_file,
     place_frozen,
+    pretrained_denoiser,
     subfolder_weight_files,
     transformers_quantization,
     weights_placement,
@@ -231,6 +232,7 @@ class WanAdapter(ModelAdapter):
                            comfy_renames=original_wan_names)
     text_rules = WanText
     sampling_parts = WanSampling
+    sharded_blocks = ("blocks",)
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, source: str,
                  max_sequence_length: int = MAX_TOKENS, transformer_2=None, boundary_ratio: float | None = None,
@@ -275,7 +277,8 @@ class WanAdapter(ModelAdapter):
 
     @classmethod
     def load(cls, model_cfg: WanModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> WanAdapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> WanAdapter:
         """The transformer(s) (read and quantized block by block onto the accelerator with `quantize`, so that they
         are never whole in full precision), the text encoder (quantized by transformers as its weights load with
         `quantize_te`), VAE, tokenizer and scheduler; then everything placed."""
@@ -299,7 +302,7 @@ class WanAdapter(ModelAdapter):
         loaded: dict[str, WanTransformer3DModel | None] = dict.fromkeys(EXPERT_OF if two else ["transformer"])
         for name in wanted:
             with memory_debug(f"{name} load" + (" and quantization" if qtype else ""), debug_memory):
-                loaded[name] = cls.load_transformer(source, name, dtype, qtype, device, **kw)
+                loaded[name] = cls.load_transformer(source, name, dtype, qtype, device, empty=empty_denoiser, **kw)
                 if name in parked:
                     move_frozen(loaded[name], "cpu")
         if model_cfg.assistant_lora_path:
@@ -356,13 +359,13 @@ class WanAdapter(ModelAdapter):
     @classmethod
     def load_transformer(cls, source: str, subfolder: str, dtype: torch.dtype, qtype: str | None = None,
                          device: torch.device | str = "cpu", variant: str | None = None,
-                         revision: str | None = None) -> WanTransformer3DModel:
+                         revision: str | None = None, empty: bool = False) -> WanTransformer3DModel:
         """One transformer, frozen. With `qtype` it is built empty from its config and read layer by layer onto
         `device`, each block quantized before the next is read (toolkit.quantize.load_quantized); otherwise
         diffusers' `from_pretrained`."""
         if qtype is None:
-            transformer = WanTransformer3DModel.from_pretrained(source, subfolder=subfolder, torch_dtype=dtype,
-                                                                variant=variant, revision=revision)
+            transformer = pretrained_denoiser(WanTransformer3DModel, source, subfolder, dtype, empty, variant=variant,
+                                              revision=revision)
             transformer.requires_grad_(False)
             return transformer.eval()
         from accelerate import init_empty_weights

@@ -22,7 +22,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import WuerstchenNoiseSchedule
 from toolkit.models.base import Expert, LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
-from toolkit.models.common import ClipTextRules, encoder_identity, first_weight, place_frozen
+from toolkit.models.common import ClipTextRules, encoder_identity, first_weight, place_frozen, pretrained_denoiser
 from toolkit.models.wuerstchen.config import FACTS, WuerstchenModelConfig
 from toolkit.models.wuerstchen.image_encoder import (
     IMAGENET_MEAN,
@@ -87,6 +87,7 @@ class WuerstchenAdapter(ModelAdapter):
                            primary="diffusers", modelspec_architecture="wuerstchen-v2-prior/lora")
     text_rules = ClipTextRules
     sampling_parts = WuerstchenSampling
+    sharded_blocks = ("blocks",)
     #: EfficientNetV2-S reduces the image 32x; the prior is fully convolutional at that size
     divisor = 32
 
@@ -108,12 +109,13 @@ class WuerstchenAdapter(ModelAdapter):
 
     @classmethod
     def load(cls, model_cfg: WuerstchenModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> WuerstchenAdapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> WuerstchenAdapter:
         sources = cls._resolve_sources(model_cfg)
         if not sampling_models:
             sources.pop("decoder", None)
         with memory_debug("model load", debug_memory):
-            prior_parts = cls._load_prior_parts(sources["prior"], model_cfg, dtype)
+            prior_parts = cls._load_prior_parts(sources["prior"], model_cfg, dtype, empty_denoiser)
             state = read_image_encoder_state(sources["image_encoder"])
             image_encoder = EfficientNetImageEncoder.from_state_dict(state, sources["image_encoder"]).to(dtype)
             decoder = cls._load_decoder(sources["decoder"], dtype) if "decoder" in sources else None
@@ -139,9 +141,10 @@ class WuerstchenAdapter(ModelAdapter):
         return sources
 
     @staticmethod
-    def _load_prior_parts(source: str, model_cfg: WuerstchenModelConfig, dtype: torch.dtype) -> tuple:
+    def _load_prior_parts(source: str, model_cfg: WuerstchenModelConfig, dtype: torch.dtype,
+                          empty_denoiser: bool = False) -> tuple:
         kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
-        prior = WuerstchenPrior.from_pretrained(source, subfolder="prior", torch_dtype=dtype, **kw)
+        prior = pretrained_denoiser(WuerstchenPrior, source, "prior", dtype, empty_denoiser, **kw)
         text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
         tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=model_cfg.revision)
         scheduler = DDPMWuerstchenScheduler.from_pretrained(source, subfolder="scheduler",

@@ -35,6 +35,7 @@ from toolkit.models.common import (
     encoder_identity,
     first_weight,
     is_single_file,
+    pretrained_denoiser,
     vae_latent_dist,
     vae_latents,
 )
@@ -129,6 +130,7 @@ class ZImageAdapter(ModelAdapter):
                            kohya_base_model="zimage", modelspec_architecture="z-image/lora")
     text_rules = ZImageText
     sampling_parts = ZImageSampling
+    sharded_blocks = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, source: str,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH):
@@ -152,7 +154,8 @@ class ZImageAdapter(ModelAdapter):
 
     @classmethod
     def load(cls, model_cfg: ZImageModelConfig, device: torch.device, dtype: torch.dtype,
-             debug_memory: bool = False, sampling_models: bool = True) -> ZImageAdapter:
+             debug_memory: bool = False, sampling_models: bool = True,
+             empty_denoiser: bool = False) -> ZImageAdapter:
         """The separate sampling transformer first (quantized if asked, then parked on the CPU), so that its
         load never meets the training transformer on the accelerator; then the training transformer (with the
         assistant LoRA merged before any quantization), quantized block by block onto the accelerator."""
@@ -169,7 +172,7 @@ class ZImageAdapter(ModelAdapter):
                 parts = cls._load_components(components, dtype, variant=None, revision=None)
             else:
                 transformer = cls.load_transformer(source, dtype, variant=model_cfg.variant,
-                                                   revision=model_cfg.revision)
+                                                   revision=model_cfg.revision, empty=empty_denoiser)
                 parts = cls._load_components(source, dtype, variant=model_cfg.variant, revision=model_cfg.revision)
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
@@ -228,7 +231,7 @@ class ZImageAdapter(ModelAdapter):
     @classmethod
     def load_transformer(cls, source: str, dtype: torch.dtype, subfolder: str | None = "transformer",
                          config_source: str | None = None, variant: str | None = None,
-                         revision: str | None = None) -> ZImageTransformer2DModel:
+                         revision: str | None = None, empty: bool = False) -> ZImageTransformer2DModel:
         """A Z-Image transformer from a diffusers folder or hub id (`subfolder` inside it; None for a bare
         transformer folder) or from a single .safetensors file in the original/ComfyUI layout (fused qkv).
 
@@ -242,8 +245,8 @@ class ZImageAdapter(ModelAdapter):
         if is_single_file(source):
             transformer = cls._transformer_from_single_file(source, dtype, config_source or DEFAULT_COMPONENTS)
         else:
-            transformer = ZImageTransformer2DModel.from_pretrained(
-                source, subfolder=subfolder, torch_dtype=dtype, variant=variant, revision=revision)
+            transformer = pretrained_denoiser(ZImageTransformer2DModel, source, subfolder, dtype, empty, variant=variant,
+                                              revision=revision)
         transformer.requires_grad_(False)
         return transformer.eval()
 

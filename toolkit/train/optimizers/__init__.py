@@ -71,13 +71,18 @@ def adamw_implementation(params: list[torch.nn.Parameter] | list[dict], given: d
     operations per parameter (the same update rule: on the CPU a LoRA's AdamW step takes a third of the time; on a
     GPU it is the fastest of torch's three). `{}` (torch's own choice) where the config chooses (`foreach` or
     `fused`, `null` included) or asks for `differentiable`, where a parameter is on a device without fused kernels,
-    and with an fp16 GradScaler: accelerate tells a skipped update by whether the optimizer's step ran, and a fused
+    for sharded parameters (`train.sharding: fsdp`; DTensors, which torch 2.14's fused kernel refuses), and with an fp16
+    GradScaler: accelerate tells a skipped update by whether the optimizer's step ran, and a fused
     step always runs (it skips inside), so the LR schedule would advance over skipped updates."""
     if loss_scaled or "fused" in given or "foreach" in given or given.get("differentiable"):  # `null`: torch's choice
         return {}
     tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     supported = fused_devices()
     if not tensors or any(p.device.type not in supported or not torch.is_floating_point(p) for p in tensors):
+        return {}
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in tensors):  # sharded: torch's fused kernel refuses DTensors (2.14)
         return {}
     return {"fused": True}
 
