@@ -123,8 +123,8 @@ def record_model_loads(folder: Path):
     from toolkit.models.zimage.adapter import ZImageAdapter
 
     def wrap(original):
-        def load(cls, model_cfg, device, dtype, debug_memory=False, sampling_models=True):
-            adapter = original.__func__(cls, model_cfg, device, dtype, debug_memory, sampling_models)
+        def load(cls, model_cfg, device, dtype, debug_memory=False, sampling_models=True, empty_denoiser=False):
+            adapter = original.__func__(cls, model_cfg, device, dtype, debug_memory, sampling_models, empty_denoiser)
             rank = int(os.environ.get("RANK", "0"))
             line = json.dumps({"sampling_models": sampling_models,
                                "sampling_transformer": adapter.sampling_transformer is not None})

@@ -376,12 +376,12 @@ class Checkpoints:
             problems += [f"{EMA_FILE}: {problem}" for problem in compare_lora_state(expected, saved_ema)]
         if problems:
             raise CheckpointError(f"checkpoint {folder} does not match the current config: " + "; ".join(problems))
-        # sharded: loaded into the full weights, each process keeping its part
-        with memory_debug("LoRA load", self.debug_memory), sharding.gathered(write_back=True):
+        # sharded: each process keeps its part of the full tensors
+        with memory_debug("LoRA load", self.debug_memory), sharding.loading():
             for component in components:
                 load_lora_state(component.module, saved_lora, component.prefix, str(lora_file))
         if saved_ema is not None:
-            with parts.ema.loading(), sharding.gathered(write_back=True):
+            with parts.ema.loading(), sharding.loading():
                 for component in components:
                     load_lora_state(component.module, saved_ema, component.prefix, str(folder / EMA_FILE))
         elif parts.ema is not None and step >= parts.ema.cfg.start_step:

@@ -9,7 +9,8 @@ What the rest of the trainer sees:
 - the trained parameters (the LoRA) are DTensors sharded like the base; the optimizer, the EMA, clipping and the
   schedule-free swap work on them as on plain tensors;
 - `gathered()` puts the full trained weights in place for a while (a collective: every process enters it), so the
-  code that writes and reads LoRA files runs unchanged; with `write_back` what was loaded into them is sharded again;
+  code that writes LoRA files runs unchanged; inside `loading()`, the code that loads them (peft's
+  `set_peft_model_state_dict`) loads full tensors into the shards;
 - `full_optimizer_state` / `shard_optimizer_state`: a checkpoint's optimizer state is always the full one, the same
   file an unsharded run writes, so a run resumes on any process count (2 -> 3) and with or without sharding.
 """
@@ -51,7 +52,10 @@ class Unsharded:
 
     enabled = False
 
-    def gathered(self, write_back: bool = False):
+    def gathered(self):
+        return nullcontext()
+
+    def loading(self):
         return nullcontext()
 
     def gradient_sync(self, sync: bool):
@@ -72,9 +76,13 @@ class Sharded(Unsharded):
     def __init__(self, denoisers: list[torch.nn.Module]):
         self.denoisers = denoisers
 
-    def gathered(self, write_back: bool = False):
-        """The full trained weights in place inside the block (see `gathered`)."""
-        return gathered(self.denoisers, write_back)
+    def gathered(self):
+        """The full trained weights in place inside the block, to be read (see `gathered`)."""
+        return gathered(self.denoisers)
+
+    def loading(self):
+        """Full tensors loaded into the sharded weights inside the block (see `loading_full_tensors`)."""
+        return loading_full_tensors(self.denoisers)
 
     @contextmanager
     def gradient_sync(self, sync: bool) -> Iterator[None]:
@@ -174,6 +182,19 @@ def place(target: torch.Tensor, value: torch.Tensor) -> None:
     local.copy_(rows)
 
 
+def resharded(modules: list[torch.nn.Module]) -> None:
+    """Every FSDP unit back to its shards. A forward without backward (validation, samples) leaves the root unit
+    gathered (FSDP2 keeps it for the backward it expects), and a `state_dict()` call reshards it: called on the main
+    process alone (writing a file) that would leave the processes in different states, and their next forward would
+    gather different units. Called on every process before the trained weights are read."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+
+
 def trained_dtensors(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, DTensor]]:
     """(owner, name, parameter) of every trained sharded parameter, in a fixed order (the same on every process)."""
     found = []
@@ -186,23 +207,43 @@ def trained_dtensors(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Modu
 
 
 @contextmanager
-def gathered(modules: list[torch.nn.Module], write_back: bool = False) -> Iterator[None]:
-    """The full trained weights in place of their shards inside the block (collective: every process enters it, in
-    the same order); with `write_back`, what the block loaded into them is sharded back. Outside, the shards again."""
+def gathered(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """The full trained weights in place of their shards inside the block, to be read (collective: every process
+    enters it, in the same order). Outside, the shards again. Loading goes through `loading_full_tensors` instead:
+    FSDP2 takes a `load_state_dict` to mean its own parameters changed."""
+    resharded(modules)
     swapped = []
     try:
         for owner, name, param in trained_dtensors(modules):
             full = torch.nn.Parameter(param.full_tensor().detach().clone(), requires_grad=True)
             owner._parameters[name] = full
-            swapped.append((owner, name, param, full))
+            swapped.append((owner, name, param))
         yield
-        if write_back:
-            with torch.no_grad():
-                for _, _, param, full in swapped:
-                    place(param, full.data)
     finally:
-        for owner, name, param, _ in swapped:
+        for owner, name, param in swapped:
             owner._parameters[name] = param
+
+
+@contextmanager
+def loading_full_tensors(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside the block, `load_state_dict` on the sharded modules takes full tensors (what a LoRA file holds, e.g.
+    through peft's `set_peft_model_state_dict`): each value for a sharded parameter is cut to this process's rows
+    first, as a DTensor of the parameter's layout, which FSDP2 loads as its own (no collective)."""
+    def to_shards(module, state_dict, prefix, *args) -> None:
+        params = dict(module.named_parameters(prefix=prefix.rstrip(".")) if prefix else module.named_parameters())
+        for key, value in list(state_dict.items()):
+            param = params.get(key)
+            if isinstance(param, DTensor) and torch.is_tensor(value) and not isinstance(value, DTensor):
+                state_dict[key] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                                                    src_data_rank=None)
+
+    resharded(modules)
+    handles = [module._register_load_state_dict_pre_hook(to_shards, with_module=True) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:

@@ -1,0 +1,221 @@
+"""`train.sharding: fsdp` (toolkit/run/sharding.py): the denoiser and its LoRA sharded over the processes with FSDP2.
+
+Two processes on gloo train the same updates as one process taking the same samples per update (its
+`gradient_accumulation` is the process count): the same LR at every update, the same losses and validation losses,
+and the same final LoRA, EMA and samples, within float tolerance (the sums of the gradients over processes are added in
+another order). A sharded run resumes bit-identically after Ctrl-C, and on another process count (2 -> 3).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import run
+from helpers import REPO, assert_same_training, launch, make_images, trainer_process, write_job
+from toolkit.run.metrics import read_metrics
+
+STEPS = 20
+#: the LR changes at every update: warmup, then cosine
+SCHEDULE = {"lr_scheduler": "cosine", "lr_warmup_steps": 4}
+#: how close a sharded run comes to the one-process run, per dtype: both average the same two micro-batches' gradients
+#: (one process by accumulating, two by FSDP2's reduce-scatter), so they agree to float rounding. Measured here
+#: (torch 2.14.1, CPU): losses and validation losses equal, the LoRA and EMA equal in float32 and within 1.5e-8 in bf16
+TOLERANCE = {"fp32": {"loss": 1e-6, "lora": 1e-6}, "bf16": {"loss": 1e-5, "lora": 1e-5}}
+
+
+def sharded_process(tmp: Path, data: Path, model: dict, dtype: str, **train) -> dict:
+    """A 20-update job on 8 images of one size in `data` (4 training: 2 batches, one per process, or one update's
+    window on one process; 4 held out for the validation loss) with an EMA, samples at 10 and 20, and the diffusers
+    form beside the primary one; `sharding: fsdp`."""
+    return trainer_process(
+        tmp, training_folder=str(tmp / "output"), model={**model, "dtype": dtype},
+        datasets=[{"folder_path": str(data), "resolution": [64]}],
+        train={"steps": STEPS, "batch_size": 2, "lr": 2e-3, "dtype": dtype, "sharding": "fsdp",
+               "ema": {"decay": 0.9}, **SCHEDULE, **train},
+        validation={"split": 0.5, "every": 5, "batch_size": 2, "timesteps": 2},
+        sample={"prompts": ["shp a red circle"], "sample_every": 10, "sample_steps": 2, "width": 64, "height": 64},
+        save={"save_every": 10, "formats": ["diffusers"]},
+    )
+
+
+#: the two families of the equivalence checks: a UNet in float32 and a DiT in bf16 (with gradient checkpointing inside
+#: the sharded blocks and the shards kept in host memory)
+FAMILIES = {
+    "unet": ({"arch": "sd15", "name_or_path": "tiny"}, "fp32", {}),
+    "dit": ({"arch": "flux", "name_or_path": "tiny"}, "bf16", {"gradient_checkpointing": True,
+                                                              "fsdp_cpu_offload": True}),
+}
+
+
+def resume_process(tmp: Path) -> dict:
+    return sharded_process(tmp, tmp / "data", {"arch": "sd15", "name_or_path": "tiny"}, "bf16",
+                           steps=8) | {"save": {"save_every": 2, "max_step_saves_to_keep": 5}}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory, tiny_sd15):
+    """One two-process launch: each family's job, then a job straight through and the same job interrupted after 3
+    updates (last: the interrupt ends the launch); a copy of the interrupted run; a second launch resumes it on two
+    processes, a third the copy on three."""
+    from toolkit.models.flux.tiny import ensure_tiny_flux
+
+    ensure_tiny_flux()
+    tmp = tmp_path_factory.mktemp("sharded")
+    make_images(tmp / "data", 8, size=(64, 64))
+    jobs = [write_job(tmp / f"{name}.yaml", name, sharded_process(tmp, tmp / "data", model, dtype, **train))
+            for name, (model, dtype, train) in FAMILIES.items()]
+    jobs += [write_job(tmp / "straight.yaml", "straight", resume_process(tmp)),
+             write_job(tmp / "resumed.yaml", "resumed", resume_process(tmp))]
+    first = launch(jobs[0], 2, cwd=tmp, script=REPO / "tests" / "instrumented_run.py",
+                   env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "3", "DIFFTUNE_TEST_INTERRUPT_JOB": "resumed"},
+                   extra_jobs=[str(job) for job in jobs[1:]])
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "stopped at step 3" in first.stderr
+    output = tmp / "output"
+    shutil.copytree(output / "resumed", output / "three")
+    second = launch(tmp / "resumed.yaml", 2, cwd=tmp)
+    assert second.returncode == 0, second.stderr[-4000:]
+    third = launch(write_job(tmp / "three.yaml", "three", resume_process(tmp)), 3, cwd=tmp)
+    assert third.returncode == 0, third.stderr[-4000:]
+    return tmp, first, third
+
+
+def one_process_run(tmp: Path, data: Path, family: str) -> Path:
+    """The family's job on one process, `gradient_accumulation: 2`: the same samples per update as two processes."""
+    model, dtype, train = FAMILIES[family]
+    process = sharded_process(tmp, data, model, dtype, **train, gradient_accumulation=2)
+    assert run.main([str(write_job(tmp / f"{family}_one.yaml", family, process))]) == 0
+    return tmp / "output" / family
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_sharded_processes_train_as_one_process(sharded_runs, tmp_path, family):
+    """Per update the same step, epoch and LR (exactly) and loss (within the family's tolerance); the same validation
+    losses, final LoRA and EMA (every form) within it; the samples written once, by the main process, and close to one
+    process's; the LoRA in diffusers' form loads in diffusers' own pipeline."""
+    launched, _, _ = sharded_runs
+    sharded, one = launched / "output" / family, one_process_run(tmp_path, launched / "data", family)
+    tolerance = TOLERANCE[FAMILIES[family][1]]
+    ours, theirs = read_metrics(sharded / "metrics.jsonl"), read_metrics(one / "metrics.jsonl")
+    assert [(r["step"], r["epoch"], r.get("lr")) for r in ours] == [(r["step"], r["epoch"], r.get("lr")) for r in theirs]
+    assert len([r for r in ours if "loss" in r]) == STEPS
+    for key in ("loss", "val_loss"):
+        pairs = [(a[key], b[key]) for a, b in zip(ours, theirs) if key in a]
+        assert pairs and len(pairs) == len([b for b in theirs if key in b])
+        assert max(abs(a - b) for a, b in pairs) <= tolerance["loss"] * max(abs(b) for _, b in pairs), (key, pairs)
+    for suffix in (".safetensors", ".diffusers.safetensors", ".ema.safetensors", ".ema.diffusers.safetensors"):
+        a, b = load_file(str(sharded / f"{family}{suffix}")), load_file(str(one / f"{family}{suffix}"))
+        assert max_difference(a, b) <= tolerance["lora"], suffix
+    assert sorted(p.name for p in (sharded / "samples").iterdir()) == ["step_000000010_0.png", "step_000000020_0.png"]
+    for name in ("step_000000010_0.png", "step_000000020_0.png"):
+        a, b = (np.asarray(Image.open(folder / "samples" / name), dtype=np.int16) for folder in (sharded, one))
+        assert np.abs(a - b).mean() < 2.0, name
+    assert_loads_in_diffusers(sharded / f"{family}.diffusers.safetensors", FAMILIES[family][0]["arch"])
+
+
+def assert_loads_in_diffusers(path: Path, arch: str) -> None:
+    from diffusers import FluxPipeline, StableDiffusionPipeline
+
+    from toolkit.models.flux.tiny import ensure_tiny_flux
+    from toolkit.models.sd15.tiny import ensure_tiny_sd15
+
+    pipeline_class, source = {"sd15": (StableDiffusionPipeline, ensure_tiny_sd15),
+                              "flux": (FluxPipeline, ensure_tiny_flux)}[arch]
+    pipe = pipeline_class.from_pretrained(str(source()))
+    pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+    denoiser = pipe.unet if arch == "sd15" else pipe.transformer
+    loaded = {k: v for k, v in denoiser.state_dict().items() if "lora_B" in k}
+    assert loaded and max(v.abs().max().item() for v in loaded.values()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_sharded_run_resumes_exactly_and_on_three_processes(sharded_runs):
+    """Ctrl-C after 3 updates and the same command again: the same losses, LRs, validation losses and final files
+    (EMA included) as the run straight through, bit for bit. The checkpoint holds one full LoRA and the full
+    optimizer state (what an unsharded run writes), so the copy of the interrupted run continues on three processes:
+    from step 3 to the end, with the straight run's LR at every update."""
+    launched, first, third = sharded_runs
+    output = launched / "output"
+    assert_same_training(output / "straight", output / "resumed")
+    checkpoint = output / "three" / "checkpoints" / "step_000000002"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "ema.safetensors", "lora.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "scheduler.pt",
+        "train_state.json"]
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    lora = load_file(str(checkpoint / "lora.safetensors"))
+    assert sum(v.numel() for s in optimizer["state"].values() for k, v in s.items() if k == "exp_avg") == sum(
+        v.numel() for k, v in lora.items() if "lora" in k)  # full moments, one per LoRA weight
+    assert "written by 2 processes, this run has 3" in third.stderr
+    straight = {r["step"]: r for r in read_metrics(output / "straight" / "metrics.jsonl")}
+    three = [r for r in read_metrics(output / "three" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in three] == list(range(1, 9))
+    assert [r["lr"] for r in three] == [straight[r["step"]]["lr"] for r in three]
+    assert all(np.isfinite(r["loss"]) for r in three)
+    state = json.loads((output / "three" / "checkpoints" / "step_000000008" / "train_state.json").read_text())
+    assert state["world_size"] == 3 and state["global_step"] == 8
+    assert (output / "three" / "three.safetensors").is_file()
+
+
+@pytest.mark.parametrize("model, train, key", [
+    ({"arch": "flux", "name_or_path": "tiny", "quantize": True}, {"sharding": "fsdp"}, "model.quantize"),
+    ({"arch": "sd15", "name_or_path": "/models/sd15.safetensors"}, {"sharding": "fsdp"}, "model.name_or_path"),
+    ({"arch": "sd15", "name_or_path": "tiny"}, {"fsdp_cpu_offload": True}, "train.fsdp_cpu_offload"),
+])
+def test_what_cannot_be_sharded_is_refused_by_the_config_naming_both_keys(tmp_path, registry, model, train, key):
+    """Before anything loads: quanto's weights cannot be sharded, a single file cannot be read row by row, and the
+    shards' host offload needs sharding."""
+    from test_config import problem_keys
+
+    from toolkit.config.loader import ConfigError, load_config
+
+    process = trainer_process(tmp_path, model=model, train={"steps": 2, **train})
+    with pytest.raises(ConfigError) as error:
+        load_config(str(write_job(tmp_path / "job.yaml", "j", process)), registry)
+    assert key in problem_keys(error.value)
+    lines = [line for line in str(error.value).splitlines() if line.strip().startswith(f"config.process[0].{key}:")]
+    assert any("train.sharding: fsdp" in line for line in lines), lines
+
+
+def test_a_lora_on_a_denoiser_built_empty_starts_as_on_the_loaded_one(tiny_sd15):
+    """The denoiser built from its config on the meta device (what each sharded process fills) takes the LoRA with the
+    same initial values, from the same random stream, as the loaded denoiser; its buffers are real and its weight files
+    known."""
+    from diffusers import UNet2DConditionModel
+
+    from toolkit.config.sections import NetworkConfig
+    from toolkit.device import WEIGHTS_ATTRIBUTE
+    from toolkit.models.common import pretrained_denoiser
+    from toolkit.network.lora import add_lora, lora_state_dict
+
+    network, targets = NetworkConfig(linear=4, linear_alpha=4), ["to_q", "to_k", "to_v", "to_out.0"]
+    states = []
+    for empty in (False, True):
+        unet = pretrained_denoiser(UNet2DConditionModel, str(tiny_sd15), "unet", torch.bfloat16, empty)
+        unet.requires_grad_(False)
+        torch.manual_seed(3)
+        add_lora(unet, network, targets, device=torch.device("cpu"))
+        states.append({k: v for k, v in unet.named_parameters() if v.requires_grad})
+        if empty:
+            assert all(p.device.type == "meta" for n, p in unet.named_parameters() if not p.requires_grad)
+            assert all(b.device.type == "cpu" for b in unet.buffers())
+            assert getattr(unet, WEIGHTS_ATTRIBUTE).location.keys() == UNet2DConditionModel.from_pretrained(
+                str(tiny_sd15), subfolder="unet").state_dict().keys()
+    loaded, empty = states
+    assert loaded.keys() == empty.keys() and all(torch.equal(loaded[k], empty[k]) for k in loaded)
+    assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in empty.values())
