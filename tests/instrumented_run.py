@@ -12,6 +12,8 @@
 - DIFFTUNE_TEST_RECORD_LORA=DIR: when training ends, every process writes its trained adapter weights (every
   component: the denoiser's or experts' and any text encoders', named as in a checkpoint) to
   DIR/<job name>_rank<R>.safetensors.
+- DIFFTUNE_TEST_RECORD_WRITES=DIR:ROOT: every process appends to DIR/rank<R>.txt the path of every file it opens for
+  writing or renames into place under ROOT (torch.save, text and metrics files, atomic writes' final names).
 - DIFFTUNE_TEST_RECORD_MODEL_LOADS=DIR: every process appends to DIR/rank<R>.jsonl whether its model load
   asked for the sample-only models ({"sampling_models": bool}) and what it got ({"sampling_transformer": bool}).
 """
@@ -136,6 +138,45 @@ def record_model_loads(folder: Path):
     return wrapped(ZImageAdapter, "load", wrap)
 
 
+@contextmanager
+def record_writes(folder: Path, root: Path):
+    import builtins
+    import io
+
+    rank = os.environ.get("RANK", "0")
+    opened, renamed, replaced = builtins.open, os.rename, os.replace
+    record = opened(folder / f"rank{rank}.txt", "a", buffering=1)
+    root = root.resolve()
+
+    def note(path) -> None:
+        if isinstance(path, int):
+            return
+        resolved = Path(os.fsdecode(path)).resolve()
+        if root in resolved.parents and folder.resolve() not in resolved.parents:
+            record.write(f"{resolved}\n")
+
+    def open_noting(file, mode="r", *args, **kwargs):
+        if any(flag in mode for flag in "wax+"):
+            note(file)
+        return opened(file, mode, *args, **kwargs)
+
+    def rename_noting(src, dst, *args, **kwargs):
+        note(dst)
+        return renamed(src, dst, *args, **kwargs)
+
+    def replace_noting(src, dst, *args, **kwargs):
+        note(dst)
+        return replaced(src, dst, *args, **kwargs)
+
+    builtins.open = io.open = open_noting
+    os.rename, os.replace = rename_noting, replace_noting
+    try:
+        yield
+    finally:
+        builtins.open = io.open = opened
+        os.rename, os.replace = renamed, replaced
+
+
 if __name__ == "__main__":
     with ExitStack() as instruments:
         if "DIFFTUNE_TEST_INTERRUPT_AFTER" in os.environ:
@@ -150,6 +191,9 @@ if __name__ == "__main__":
                 step, action = item.split(":")
                 plan.setdefault(int(step), []).append(action)
             instruments.enter_context(control_after(plan))
+        if "DIFFTUNE_TEST_RECORD_WRITES" in os.environ:
+            folder, root = os.environ["DIFFTUNE_TEST_RECORD_WRITES"].split(":")
+            instruments.enter_context(record_writes(Path(folder), Path(root)))
         if "DIFFTUNE_TEST_RECORD_MODEL_LOADS" in os.environ:
             instruments.enter_context(record_model_loads(Path(os.environ["DIFFTUNE_TEST_RECORD_MODEL_LOADS"])))
         if "DIFFTUNE_TEST_RECORD_LORA" in os.environ:

@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast, set_seed
+from accelerate.utils import broadcast, broadcast_object_list, set_seed
 from torch.distributed.tensor import DTensor
 
 from jobs.context import JobContext
@@ -37,7 +37,7 @@ from toolkit.run.accelerator import RunAccelerator
 from toolkit.run.checkpoint import Checkpoints, TrainedParts
 from toolkit.run.disk import DiskProblem, disk_error, disk_message, space_warning, tree_bytes
 from toolkit.run.faults import Faults
-from toolkit.run.folder import RunFolder
+from toolkit.run.folder import RunFolder, RunFolderError
 from toolkit.run.monitor import Monitor, UpdateValues
 from toolkit.run.out_of_memory import JobMemory, OutOfMemory, is_out_of_memory, module_bytes, out_of_memory_message
 from toolkit.run.sampling import Sampler, SampleRenderer, cuda_devices
@@ -90,7 +90,7 @@ class BaseSDTrainProcess(BaseProcess):
             self.monitor.started()
             # run.py checked already; API users get it here, and a later process sees what earlier ones wrote
             check_paths(self.job.config, self.job.config_path, only=self.index)
-            resume_from = self.folder.resume_point(cfg.train.resume, cfg.train.overwrite)
+            resume_from = self.agreed_resume_point(self.folder.resume_point(cfg.train.resume, cfg.train.overwrite))
             self.setup()
             if resume_from is not None:
                 self.position = self.checkpoints.resume(resume_from, self.plan.micro_batches_per_epoch,
@@ -118,6 +118,34 @@ class BaseSDTrainProcess(BaseProcess):
             raise
         finally:
             self.close()
+
+    def agreed_resume_point(self, found: Path | None) -> Path | None:
+        """With `train.resume: auto` on several processes: the newest checkpoint complete for every process (without
+        a shared filesystem each machine has its own checkpoints, and a machine stopped mid-save lacks the newest), the
+        same step everywhere, each process reading it from its own machine's folder."""
+        from accelerate.utils import gather_object
+
+        from toolkit.run.checkpoint_folders import scan_checkpoints, step_dir_name
+
+        acc, cfg = self.accelerator, self.config
+        if acc.num_processes == 1 or cfg.train.resume != "auto" or cfg.train.overwrite:
+            return found
+        complete, _ = scan_checkpoints(self.folder.checkpoints)
+        steps = sorted(int(path.name[5:]) for path in complete)
+        everywhere = gather_object([steps])
+        common = set.intersection(*(set(s) for s in everywhere))
+        if not common:
+            if any(everywhere):
+                raise RunFolderError(
+                    f"no checkpoint is complete for every process (complete steps per process: {everywhere}): with "
+                    "train.shared_filesystem: false each machine needs its own copy; copy a checkpoint folder to the "
+                    "machines that lack it, or set train.overwrite: true to start over")
+            return None
+        step = max(common)
+        if found is not None and found.name != step_dir_name(step):
+            log.warning("resuming from step %d, the newest checkpoint complete on every machine (this one also has %s)",
+                        step, found.name)
+        return self.folder.checkpoints / step_dir_name(step)
 
     @contextlib.contextmanager
     def in_phase(self, name: str, inject: bool = True) -> Iterator[None]:
@@ -259,7 +287,7 @@ class BaseSDTrainProcess(BaseProcess):
                 blank = self.adapter.text.blank_prompt_embeds().to(acc.device)
         self.objective = self.make_objective(cfg.train.objective, cfg.train.seed, self.adapter, blank)
         with self.in_phase("caching"):
-            self.data.build_caches(acc)
+            self.data.build_caches(self.runtime.cache_writers())
             self.validation = self.make_validation(held_out) if held_out is not None else None
         self.plan = self.make_plan()
         self.optimizer = build_optimizer(cfg.train.optimization, self.param_groups,
@@ -278,7 +306,8 @@ class BaseSDTrainProcess(BaseProcess):
         self.say_which_files()
         parts = TrainedParts(self.components, self.optimizer, self.lr_scheduler, acc.scaler, self.ema, self.sharding)
         self.checkpoints = Checkpoints(acc, self.folder.checkpoints, cfg.save.max_step_saves_to_keep, parts,
-                                       cfg.model_dump(mode="json"), self.lora_metadata, cfg.logging.debug_memory)
+                                       cfg.model_dump(mode="json"), self.lora_metadata, cfg.logging.debug_memory,
+                                       writes=self.runtime.writes_resume_files)
 
     def warn_of_a_new_split(self, saved: dict) -> None:
         """A validation split the run did not have from its start holds out images that were trained on."""
@@ -311,10 +340,10 @@ class BaseSDTrainProcess(BaseProcess):
 
     def load_model(self) -> ModelAdapter:
         cfg, acc = self.config, self.accelerator
-        # The main process first: it alone downloads or builds (tiny presets) what is missing; the others then
-        # read the finished files instead of racing to write them. Only it renders samples (sharded: all of them),
+        # The main process first (without a shared filesystem, each machine's first): it alone downloads or builds
+        # (tiny presets) what is missing; the others then read the finished files instead of racing to write them. Only it renders samples (sharded: all of them),
         # so only it loads models used for nothing else. Sharded, the denoiser is built empty: `shard` fills it.
-        with acc.main_process_first():
+        with self.runtime.writer_first():
             adapter = get_adapter_class(cfg.model.arch).load(
                 cfg.model, acc.device, self.precision.base, debug_memory=cfg.logging.debug_memory,
                 sampling_models=acc.is_main_process or self.sharded, empty_denoiser=self.sharded)
@@ -467,11 +496,12 @@ class BaseSDTrainProcess(BaseProcess):
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen + buffers)
 
     def open_run_folder(self, resumed: bool) -> None:
-        """Remove what `train.overwrite` replaces and write the resolved config (main process); a resumed run sets
-        aside the checkpoints newer than the one it continues from."""
+        """Remove what `train.overwrite` replaces and write the resolved config (the main process; without a shared
+        filesystem each machine's first, in its own run folder); a resumed run sets aside the checkpoints newer than the
+        one it continues from."""
         acc = self.accelerator
         acc.wait_for_everyone()
-        if acc.is_main_process:
+        if self.runtime.writes_resume_files:
             resolved = self.job.config.model_dump(mode="json")
             resolved["config"]["process"] = [self.config.model_dump(mode="json")]
             self.folder.open(self.config.train.overwrite, resolved)
@@ -782,6 +812,8 @@ class BaseSDTrainProcess(BaseProcess):
         missing = not self.folder.final_lora_form(primary, primary, first_part).exists()
         if self.ema is not None and self.ema.started:
             missing |= not self.folder.final_lora_form(primary, primary, first_part, ema=True).exists()
+        if self.accelerator.num_processes > 1:  # the main machine's view (without a shared filesystem only it has them)
+            missing = broadcast_object_list([missing])[0]
         if (self.accelerator.is_main_process or self.sharding.enabled) and missing:
             self.write_final_loras()
         self.monitor.write_report()

@@ -347,6 +347,17 @@ class RuntimeSection(Section):
         "process: no difference. Not with model.quantize (see docs/multi-gpu.md).")
     fsdp_cpu_offload: bool = Field(False, description="sharding: fsdp: keep each process's shards in host memory, "
                                    "brought to the GPU block by block as they compute (the largest bases; slower).")
+    shared_filesystem: bool = Field(
+        True, description="Several machines (`accelerate launch --num_machines N ...`): whether they see the run "
+        "folder and the caches on one shared filesystem. true: one copy of every file, written by the main process of "
+        "the main machine; each cache entry encoded by one process of the run. false: each machine keeps in its own run "
+        "folder what a resume needs (checkpoints, caches), written by its first process; status, metrics, report, "
+        "samples and the final LoRA files are written on the main machine only; a rerun resumes from the newest "
+        "checkpoint complete on every machine.")
+    collective_timeout_s: int = Field(
+        600, ge=10, description="How long a process waits for the others at a collective before the run stops with "
+        "an error: what bounds a hang when a machine vanishes without closing its connections (power or network "
+        "loss). A killed process or machine closes them: the others stop within seconds.")
     persistent_workers: bool = Field(True, description="Keep the DataLoader workers for a further pass of the "
                                      "loader. A run's loader makes one pass over all of its epochs, so its workers "
                                      "live from the first epoch to the last either way; kept for configs from other "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -13,6 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import (
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
@@ -45,14 +48,14 @@ def dynamo_plugin(runtime: RuntimeSection) -> TorchDynamoPlugin:
                              fullgraph=False, dynamic=False, use_regional_compilation=False)
 
 
-def host_process_group(processes: int):
+def host_process_group(processes: int, timeout: timedelta | None = None):
     """A CPU (gloo) process group for the small decisions all processes share every update (stop, save,
     sample): a collective over the accelerator's NCCL group would make the host wait for the work queued
     before it. None with one process. Its own group also where the default one is gloo (CPU runs), so the
     code that GPU runs depend on is the code the CPU runs exercise."""
     if processes == 1:
         return None
-    return torch.distributed.new_group(backend="gloo")
+    return torch.distributed.new_group(backend="gloo", timeout=timeout)
 
 
 #: accelerate's launch settings for the sharding back ends (`accelerate launch --use_fsdp`, or `distributed_type: FSDP`
@@ -87,6 +90,23 @@ def enable_cpu_fp16(accelerator: Accelerator) -> None:
     accelerator.scaler = torch.amp.GradScaler(accelerator.device.type)
 
 
+@dataclass(frozen=True)
+class CacheWriters:
+    """How the processes share the encoding and writing of cache entries (what the caches' `build` reads in place of
+    the accelerator): every entry has one writer among the processes that see its folder, this one taking every
+    `num_processes`-th from `process_index`. On a shared filesystem that is every process of the run; otherwise the
+    processes of each machine, so that every machine holds every entry."""
+
+    process_index: int
+    num_processes: int
+    #: the one process that logs the caches' progress
+    is_main_process: bool
+    accelerator: Accelerator
+
+    def wait_for_everyone(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+
 class RunAccelerator:
     """accelerate's Accelerator for one run, and the host group beside it; `close` forgets accelerate's
     process-wide state so that the next job of the same process can choose its own."""
@@ -94,6 +114,10 @@ class RunAccelerator:
     def __init__(self, runtime: RuntimeSection, device: str, run_dir: Path, tensorboard: bool = False,
                  unused_parameters: bool = False, model_dtype: str = "auto"):
         refuse_sharded_launch()
+        #: whether every machine sees the run folder and the caches (`train.shared_filesystem`)
+        self.shared_filesystem = runtime.shared_filesystem
+        timeout = timedelta(seconds=runtime.collective_timeout_s)
+        handlers = [InitProcessGroupKwargs(timeout=timeout)]
         target = target_device(device)
         if target.type == "cuda" and target.index is not None:
             torch.cuda.set_device(target.index)
@@ -102,7 +126,8 @@ class RunAccelerator:
         self.mixed_precision = self.precision.mixed_precision
         self.accelerator = Accelerator(
             # e.g. peft's LoKr/LoHa skip a dropped module entirely: its weights get no gradient that step
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] if unused_parameters else None,
+            kwargs_handlers=handlers + ([DistributedDataParallelKwargs(find_unused_parameters=True)]
+                                        if unused_parameters else []),
             cpu=target.type == "cpu",
             mixed_precision=self.mixed_precision,
             # the trainer counts its accumulation windows itself (`train.gradient_accumulation`, by the micro-batch's
@@ -114,13 +139,32 @@ class RunAccelerator:
         )
         if self.precision.scales_loss and self.accelerator.scaler is None:
             enable_cpu_fp16(self.accelerator)
-        self.host_group = host_process_group(self.accelerator.num_processes)
+        self.host_group = host_process_group(self.accelerator.num_processes, timeout)
 
     @property
     def processes_here(self) -> int:
         """The training processes on this machine (they share its cores): the launcher's LOCAL_WORLD_SIZE, else all
         of the run's."""
         return int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
+
+    @property
+    def writes_resume_files(self) -> bool:
+        """Whether this process writes what a resume reads (checkpoints, the run folder's config): the main process
+        of the run, or without a shared filesystem each machine's first process, into its machine's run folder."""
+        acc = self.accelerator
+        return acc.is_main_process if self.shared_filesystem else acc.is_local_main_process
+
+    def writer_first(self):
+        """The processes that write (a model's download, a tiny preset's build) go first, the others then read the
+        finished files: the run's main process, or without a shared filesystem each machine's first."""
+        acc = self.accelerator
+        return acc.main_process_first() if self.shared_filesystem else acc.local_main_process_first()
+
+    def cache_writers(self) -> CacheWriters:
+        acc = self.accelerator
+        if self.shared_filesystem:
+            return CacheWriters(acc.process_index, acc.num_processes, acc.is_main_process, acc)
+        return CacheWriters(acc.local_process_index, self.processes_here, acc.is_main_process, acc)
 
     def allow_unused_parameters(self) -> None:
         """Before the model is prepared: DDP expects parameters of the wrapped model that get no gradient in a step

@@ -249,12 +249,16 @@ class TrainedParts:
 
 class Checkpoints:
     """Saving and resuming, in one part. `save` is collective: every rank writes its RNG file, the main process the
-    rest, then the folder is committed and old ones pruned. `resume` validates a checkpoint against the built parts
+    rest (without a shared filesystem, each machine's first process, into its machine's folder), then the folder is
+    committed and old ones pruned. `resume` validates a checkpoint against the built parts
     before it changes anything, then loads the adapter, optimizer, scaler and RNG and replays the LR schedule."""
 
     def __init__(self, accelerator, folder: Path, keep: int, parts: TrainedParts, config: dict,
-                 lora_metadata: Callable[[int], dict[str, str]], debug_memory: bool = False):
+                 lora_metadata: Callable[[int], dict[str, str]], debug_memory: bool = False, writes: bool | None = None):
         self.accelerator = accelerator
+        #: whether this process writes checkpoints: the main process, or without a shared filesystem each machine's
+        #: first (into its machine's folder); every process writes its own RNG file
+        self.writes = accelerator.is_main_process if writes is None else writes
         self.dir = folder
         self.keep = keep
         self.parts = parts
@@ -275,14 +279,14 @@ class Checkpoints:
         acc = self.accelerator
         state = self.train_state(position)
         tmp = tmp_dir(self.dir, state.global_step)
-        if acc.is_main_process:
+        if self.writes:
             begin(self.dir, state.global_step)
         acc.wait_for_everyone()
         torch.save(capture_rng(), rng_file(tmp, acc.process_index))
-        if acc.is_main_process or self.parts.sharding.enabled:  # sharded: every process gathers, the main one writes
-            self.write_payload(tmp, state.global_step, write=acc.is_main_process)
+        if self.writes or self.parts.sharding.enabled:  # sharded: every process gathers, the writers write
+            self.write_payload(tmp, state.global_step, write=self.writes)
         acc.wait_for_everyone()
-        if acc.is_main_process:
+        if self.writes:
             commit(tmp, state)
             prune(self.dir, self.keep)
         acc.wait_for_everyone()
