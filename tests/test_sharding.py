@@ -42,7 +42,7 @@ def sharded_process(tmp: Path, data: Path, model: dict, dtype: str, **train) -> 
                "ema": {"decay": 0.9}, **SCHEDULE, **train},
         validation={"split": 0.5, "every": 5, "batch_size": 2, "timesteps": 2},
         sample={"prompts": ["shp a red circle"], "sample_every": 10, "sample_steps": 2, "width": 64, "height": 64},
-        save={"save_every": 10, "formats": ["diffusers"]},
+        save={"save_every": 10, "formats": ["diffusers", "peft"], "max_step_saves_to_keep": 5},
     )
 
 
@@ -63,8 +63,9 @@ def resume_process(tmp: Path) -> dict:
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory, tiny_sd15):
     """One two-process launch: each family's job, then a job straight through and the same job interrupted after 3
-    updates (last: the interrupt ends the launch); a copy of the interrupted run; a second launch resumes it on two
-    processes, a third the copy on three."""
+    updates (last: the interrupt ends the launch), with `run.py --control` asking for a checkpoint after update 5 and
+    samples after update 7 in each; a copy of the interrupted run; a second launch resumes it on two processes, a
+    third the copy on three."""
     from toolkit.models.flux.tiny import ensure_tiny_flux
 
     ensure_tiny_flux()
@@ -75,7 +76,8 @@ def sharded_runs(tmp_path_factory, tiny_sd15):
     jobs += [write_job(tmp / "straight.yaml", "straight", resume_process(tmp)),
              write_job(tmp / "resumed.yaml", "resumed", resume_process(tmp))]
     first = launch(jobs[0], 2, cwd=tmp, script=REPO / "tests" / "instrumented_run.py",
-                   env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "3", "DIFFTUNE_TEST_INTERRUPT_JOB": "resumed"},
+                   env={"DIFFTUNE_TEST_INTERRUPT_AFTER": "3", "DIFFTUNE_TEST_INTERRUPT_JOB": "resumed",
+                        "DIFFTUNE_TEST_CONTROL_AFTER": "5:save,7:sample"},
                    extra_jobs=[str(job) for job in jobs[1:]])
     assert first.returncode == 0, first.stderr[-4000:]
     assert "stopped at step 3" in first.stderr
@@ -106,8 +108,9 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_two_sharded_processes_train_as_one_process(sharded_runs, tmp_path, family):
     """Per update the same step, epoch and LR (exactly) and loss (within the family's tolerance); the same validation
-    losses, final LoRA and EMA (every form) within it; the samples written once, by the main process, and close to one
-    process's; the LoRA in diffusers' form loads in diffusers' own pipeline."""
+    losses, final LoRA and EMA (every form: primary, diffusers, peft) within it; the samples written once, by the main
+    process, and close to one process's; the LoRA in diffusers' form loads in diffusers' own pipeline. The control
+    requests acted on every process together: a checkpoint at 5, samples at 7."""
     launched, _, _ = sharded_runs
     sharded, one = launched / "output" / family, one_process_run(tmp_path, launched / "data", family)
     tolerance = TOLERANCE[FAMILIES[family][1]]
@@ -121,7 +124,12 @@ def test_two_sharded_processes_train_as_one_process(sharded_runs, tmp_path, fami
     for suffix in (".safetensors", ".diffusers.safetensors", ".ema.safetensors", ".ema.diffusers.safetensors"):
         a, b = load_file(str(sharded / f"{family}{suffix}")), load_file(str(one / f"{family}{suffix}"))
         assert max_difference(a, b) <= tolerance["lora"], suffix
-    assert sorted(p.name for p in (sharded / "samples").iterdir()) == ["step_000000010_0.png", "step_000000020_0.png"]
+    for peft in ("_peft", ".ema_peft"):
+        a, b = (load_file(str(folder / f"{family}{peft}" / "adapter_model.safetensors")) for folder in (sharded, one))
+        assert max_difference(a, b) <= tolerance["lora"], peft
+    assert sorted(p.name for p in (sharded / "samples").iterdir()) == [
+        "step_000000007_0.png", "step_000000010_0.png", "step_000000020_0.png"]
+    assert (sharded / "checkpoints" / "step_000000005" / "train_state.json").is_file()
     for name in ("step_000000010_0.png", "step_000000020_0.png"):
         a, b = (np.asarray(Image.open(folder / "samples" / name), dtype=np.int16) for folder in (sharded, one))
         assert np.abs(a - b).mean() < 2.0, name
