@@ -227,3 +227,47 @@ def test_a_lora_on_a_denoiser_built_empty_starts_as_on_the_loaded_one(tiny_sd15)
     loaded, empty = states
     assert loaded.keys() == empty.keys() and all(torch.equal(loaded[k], empty[k]) for k in loaded)
     assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in empty.values())
+
+
+def denoisers_at_full_size() -> dict:
+    """Each family's denoiser class and full-size config (Würstchen's prior at its published size: c 2048, depth 32)."""
+    from diffusers import (
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+        UNet2DConditionModel,
+        WanTransformer3DModel,
+        ZImageTransformer2DModel,
+    )
+    from diffusers.pipelines.deprecated.wuerstchen import WuerstchenPrior
+
+    from benchmarks import full_size as full
+
+    return {
+        "sd15": (UNet2DConditionModel, full.SD15_FULL["unet"]), "sdxl": (UNet2DConditionModel, full.SDXL_FULL["unet"]),
+        "flux": (FluxTransformer2DModel, full.FLUX_FULL["transformer"]),
+        "zimage": (ZImageTransformer2DModel, full.ZIMAGE_FULL["transformer"]),
+        "qwen_image": (QwenImageTransformer2DModel, full.QWEN_IMAGE_FULL["transformer"]),
+        "wan": (WanTransformer3DModel, full.WAN22_A14B_FULL["transformers"][0]),
+        "wuerstchen": (WuerstchenPrior, {"c_in": 16, "c": 2048, "c_cond": 1280, "c_r": 64, "depth": 32, "nhead": 32}),
+    }
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl", "flux", "zimage", "qwen_image", "wan", "wuerstchen"])
+def test_each_family_names_blocks_that_split_its_denoiser_finely(arch):
+    """The family's `sharded_blocks` at full size (built on the meta device): the units hold all but a few percent of
+    the denoiser (what stays outside is gathered for the whole forward), and none holds more than a seventh of it
+    (a process gathers one unit at a time, and prefetches the next)."""
+    from accelerate import init_empty_weights
+
+    from toolkit.models.registry import get_adapter_class
+    from toolkit.run.sharding import block_modules
+
+    model_class, config = denoisers_at_full_size()[arch]
+    with init_empty_weights():
+        denoiser = model_class(**config)
+    total = sum(p.numel() for p in denoiser.parameters())
+    units = [sum(p.numel() for p in unit.parameters())
+             for unit in block_modules(denoiser, get_adapter_class(arch).sharded_blocks)]
+    assert len(units) >= 8
+    assert total - sum(units) < 0.07 * total, (total, sum(units))
+    assert max(units) < total / 7, (max(units), total)

@@ -41,7 +41,7 @@ from toolkit.run.folder import RunFolder, RunFolderError
 from toolkit.run.monitor import Monitor, UpdateValues
 from toolkit.run.out_of_memory import JobMemory, OutOfMemory, is_out_of_memory, module_bytes, out_of_memory_message
 from toolkit.run.sampling import Sampler, SampleRenderer, cuda_devices
-from toolkit.run.sharding import Sharded, Unsharded, autocast_forward, shard_denoiser
+from toolkit.run.sharding import Sharded, Unsharded, autocast_forward, block_modules, shard_denoiser
 from toolkit.run.signals import GracefulStop
 from toolkit.train.ema import LoraEMA
 from toolkit.train.lr_schedulers import build_lr_scheduler
@@ -431,8 +431,9 @@ class BaseSDTrainProcess(BaseProcess):
         for group in self.param_groups:
             group["params"] = [sharded(param) if id(param) in names else param for param in group["params"]]
         if acc.is_main_process:
-            log.info("sharding: the denoiser split over %d processes (FSDP2, %d blocks)%s", acc.num_processes,
-                     len(self.adapter.sharded_blocks), ", shards in host memory" if cfg.train.fsdp_cpu_offload else "")
+            units = sum(len(block_modules(module, self.adapter.sharded_blocks)) for module in denoisers)
+            log.info("sharding: the denoiser split over %d processes (FSDP2, %d blocks)%s", acc.num_processes, units,
+                     ", shards in host memory" if cfg.train.fsdp_cpu_offload else "")
         return Sharded(denoisers)
 
     def make_plan(self) -> TrainingPlan:

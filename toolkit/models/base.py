@@ -258,8 +258,9 @@ class ModelAdapter(ABC):
     #: the classes of its optional parts
     text_rules: ClassVar[type[TextRules]] = TextRules
     sampling_parts: ClassVar[type[SamplingParts]]
-    #: the denoiser's repeated blocks, each its own unit under `train.sharding: fsdp` (toolkit/run/sharding.py): the
-    #: name of a ModuleList stands for each of its children, any other name for that module (absent ones are skipped)
+    #: the denoiser's repeated blocks, each its own unit under `train.sharding: fsdp` (toolkit/run/sharding.py
+    #: `block_modules`): dotted paths, `*` for each child of a ModuleList; a path ending at a ModuleList stands for
+    #: each of its children, at another module for that module (paths that reach nothing are skipped)
     sharded_blocks: ClassVar[tuple[str, ...]] = ()
 
     noise_schedule: NoiseSchedule

@@ -29,12 +29,19 @@ from toolkit.device import WEIGHTS_ATTRIBUTE
 log = logging.getLogger("difftune")
 
 def block_modules(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
-    """The family's sharded blocks: each child of a named ModuleList, or the named module itself."""
+    """The family's sharded blocks (`ModelAdapter.sharded_blocks`): each name a dotted path from the denoiser, `*`
+    standing for each child of a ModuleList; a path ending at a ModuleList stands for each of its children, at any
+    other module for that module. Paths that reach nothing (a block type without attentions) are skipped."""
     blocks = []
     for name in names:
-        found = getattr(module, name, None)
-        if found is not None:
-            blocks += list(found) if isinstance(found, torch.nn.ModuleList) else [found]
+        found = [module]
+        for part in name.split("."):
+            if part == "*":
+                found = [child for parent in found for child in parent.children()]
+            else:
+                found = [getattr(parent, part) for parent in found if getattr(parent, part, None) is not None]
+        for item in found:
+            blocks += list(item) if isinstance(item, torch.nn.ModuleList) else [item]
     return blocks
 
 

@@ -59,7 +59,8 @@ class SD15Adapter(StableDiffusionAdapter):
                            modelspec_architecture="stable-diffusion-v1/lora")
     text_rules = ClipTextRules
     sampling_parts = SD15Sampling
-    sharded_blocks = ("down_blocks", "mid_block", "up_blocks")
+    sharded_blocks = ("down_blocks.*.attentions", "down_blocks.*.resnets", "mid_block.attentions", "mid_block.resnets",
+                      "up_blocks.*.attentions", "up_blocks.*.resnets")
 
     def __init__(self, unet, vae, text_encoder, tokenizer, scheduler, source: str):
         self.init_denoiser(unet, vae, scheduler, source)

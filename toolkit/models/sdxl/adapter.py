@@ -71,7 +71,8 @@ class SDXLAdapter(StableDiffusionAdapter):
                            modelspec_architecture="stable-diffusion-xl-v1-base/lora", comfy_renames=sgm_unet_renames)
     text_rules = ClipTextRules
     sampling_parts = SDXLSampling
-    sharded_blocks = ("down_blocks", "mid_block", "up_blocks")
+    sharded_blocks = ("down_blocks.*.attentions", "down_blocks.*.resnets", "mid_block.attentions", "mid_block.resnets",
+                      "up_blocks.*.attentions", "up_blocks.*.resnets")
 
     def __init__(self, unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler, source: str,
                  vae_source: str | None = None):
