@@ -2,8 +2,10 @@
 few dozen updates through difftune's real job path, so the figures compare with published ones.
 
     python -m benchmarks.full_size                          # SD 1.5 at 512 px; SDXL, Z-Image, FLUX.1, Qwen-Image
-                                                            # (qfloat8 and qint4) at 1024 px; Wan 2.1 1.3B at
-                                                            # 480 px and Wan 2.2 TI2V-5B at 704 px, 33 frames
+                                                            # (qfloat8, qint4, qint8; and bf16 sharded over the
+                                                            # machine's GPUs) at 1024 px; Wan 2.1 1.3B at 480 px
+                                                            # and Wan 2.2 TI2V-5B at 704 px, 33 frames
+    python -m benchmarks.full_size --models qwen_image_qint8 qwen_image_fsdp   # sharding against quantizing
     python -m benchmarks.full_size --models wan22_a14b      # Wan 2.2 A14B's two experts (qfloat8, low_vram; ~57 GB
                                                             # of disk for the random model)
     python -m benchmarks.full_size --models zimage --updates 40 --json zimage.json
@@ -17,6 +19,11 @@ checkpointing, bf16, AdamW 8-bit; Z-Image, FLUX.1 and Qwen-Image with the transf
 - peak accelerator memory while training (the peak counter is reset when the loop starts) and over the whole
   run (model load and caching included);
 - wall seconds of each phase: building the random model, the job's set-up, the training loop, the final saves.
+
+`qwen_image_fsdp` trains the same Qwen-Image in bf16 with `train.sharding: fsdp`, launched over every GPU of the
+machine (one process each, as a user launches it); its memory figure is the largest of the GPUs' peaks. With one GPU
+there is nothing to shard over: it prints the denoiser's weights per GPU for 2, 4 and 8 GPUs, computed from the
+weight files and marked so.
 
 Wan trains on generated clips (drifting colour fields) instead of images. Z-Image's, Qwen-Image's and Wan's text
 encoders keep their real width (the transformer's caption input) but only a few
@@ -227,6 +234,13 @@ def presets(size: str) -> dict[str, dict]:
         "qwen_image_qint4": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
                              "resolution": 1024 if full else 64, "folder": "qwen_image",
                              "model": {"arch": "qwen_image", "quantize": True, "qtype": "qint4"}},
+        # the same model in bf16, quantized to qint8 on one GPU against sharded over the machine's GPUs (FSDP)
+        "qwen_image_qint8": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
+                             "resolution": 1024 if full else 64, "folder": "qwen_image",
+                             "model": {"arch": "qwen_image", "quantize": True, "qtype": "qint8"}},
+        "qwen_image_fsdp": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
+                            "resolution": 1024 if full else 64, "folder": "qwen_image", "sharded": True,
+                            "blocks": "transformer_blocks", "model": {"arch": "qwen_image"}},
         # video: clips of 33 frames (9 latent frames)
         "wan21": {"preset": WAN21_1_3B_FULL if full else TINY_WAN21, "build": build_wan,
                   "resolution": 480 if full else 32, "frames": 33 if full else 5, "model": {"arch": "wan"}},
@@ -300,7 +314,8 @@ def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Pat
                       **({"num_frames": spec["frames"]} if "frames" in spec else {})}],
         "train": {"batch_size": 1, "steps": args.updates, "lr": 1e-4, "dtype": "bf16" if cuda else "fp32",
                   "optimizer": "adamw8bit" if cuda else "adamw", "gradient_checkpointing": True,
-                  "cache_text_embeddings": True, "compile": args.compile},
+                  "cache_text_embeddings": True, "compile": args.compile,
+                  **({"sharding": "fsdp"} if spec.get("sharded") else {})},
         "model": {**spec["model"], "name_or_path": str(model_path), "dtype": "bf16" if cuda else "fp32"},
         "logging": {"log_every": LOG_EVERY},
     }
@@ -365,6 +380,8 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
         write_images(folder / "data", args.images, spec["resolution"])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    if spec.get("sharded"):
+        return result | measure_sharded(name, spec, args, folder, model)
     started = time.perf_counter()
     loop, trainer = run_job(job_file(folder, name, model, spec, args))
     ended = time.perf_counter()
@@ -386,11 +403,97 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
     return result
 
 
+def sharding_processes(device: str) -> int:
+    """The processes a sharded job runs on: the machine's GPUs; on the CPU (the tiny smoke run) two."""
+    import torch
+
+    return torch.cuda.device_count() if device == "cuda" else 2
+
+
+def measure_sharded(name: str, spec: dict, args, folder: Path, model: Path) -> dict:
+    """The job sharded over the machine's GPUs (`train.sharding: fsdp`, one process per GPU, launched as a user would):
+    s/update from its metrics, each GPU's peak memory from the processes (`--worker`). With one GPU there is nothing to
+    shard over: the per-GPU figures for 2, 4 and 8 GPUs are computed from the weight files (the bf16 base over N, plus
+    two of its largest blocks gathered: the one computing and the one prefetched) and marked so."""
+    import os
+    import subprocess
+
+    from toolkit.run.metrics import read_metrics
+
+    processes = sharding_processes(args.device)
+    if processes < 2:
+        return {"computed": computed_sharding(model, spec)}
+    peaks = folder / "peaks"
+    peaks.mkdir(parents=True, exist_ok=True)
+    job = job_file(folder, name, model, spec, args)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(Path(__file__).resolve()), "--worker", str(job), "--peaks", str(peaks)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), **({"ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {})}
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: the sharded launch failed:\n{done.stderr[-4000:]}")
+    ranks = [json.loads(path.read_text()) for path in sorted(peaks.glob("rank*.json"))]
+    records = read_metrics(folder / "output" / name / "metrics.jsonl")
+    steady = [r["time"] for r in records[args.warmup:]] or [r["time"] for r in records]
+    figures = {"processes": processes, "s_per_update": statistics.median(steady),
+               "loss_first_last": [records[0]["loss"], records[-1]["loss"]], "setup_s": ranks[0]["setup_s"],
+               "loop_s": ranks[0]["loop_s"], "finish_s": time.perf_counter() - started - ranks[0]["setup_s"]
+               - ranks[0]["loop_s"], "trainable_params_m": ranks[0]["trainable_params_m"]}
+    if "peak_gib" in ranks[0]:
+        figures["peak_training_gib"] = max(r["peak_gib"] for r in ranks)
+        figures["peak_overall_gib"] = max(max(r["peak_gib"], r["peak_before_gib"]) for r in ranks)
+    return figures
+
+
+def computed_sharding(model: Path, spec: dict) -> dict[int, float]:
+    """{GPUs: GiB of denoiser weights per GPU} for 2, 4 and 8 GPUs: bf16 weights over N plus two of the largest blocks
+    (gathered), from the weight files' shapes. Weights only: activations and the LoRA's optimizer state come on top."""
+    from toolkit.models.common import subfolder_weight_files
+    from safetensors import safe_open
+
+    total, blocks = 0, {}
+    for path in subfolder_weight_files(str(model), "transformer", None, None):
+        with safe_open(str(path), "pt") as handle:
+            for key in handle.keys():
+                count = 1
+                for dim in handle.get_slice(key).get_shape():
+                    count *= dim
+                total += count * 2
+                if key.startswith(spec["blocks"] + "."):
+                    block = ".".join(key.split(".")[:2])
+                    blocks[block] = blocks.get(block, 0) + count * 2
+    largest = max(blocks.values())
+    return {gpus: (total / gpus + 2 * largest) / 2**30 for gpus in (2, 4, 8)}
+
+
+def worker(job: Path, peaks: Path) -> int:
+    """One process of a sharded launch: the job, and this process's figures in `peaks`/rank<R>.json."""
+    import os
+
+    started = time.perf_counter()
+    loop, trainer = run_job(job)
+    figures = {"setup_s": loop["started"] - started, "loop_s": loop["ended"] - loop["started"],
+               "trainable_params_m": sum(p.numel() for p in trainer.lora_params) / 1e6}
+    if "peak_gib" in loop:
+        figures.update(peak_gib=loop["peak_gib"], peak_before_gib=loop["peak_before_gib"])
+    (peaks / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(figures))
+    return 0
+
+
 def table(results: dict) -> str:
     lines = []
     for name, r in results["models"].items():
+        if "computed" in r:
+            lines.append(f"{name} {r['resolution']}px: one GPU, nothing to shard over; computed denoiser weights per "
+                         "GPU (bf16 / N + two blocks): " + ", ".join(f"{gpus} GPUs {gib:.1f} GiB"
+                                                                   for gpus, gib in r["computed"].items()))
+            continue
         memory = (f", peak {r['peak_training_gib']:.2f} GiB training / {r['peak_overall_gib']:.2f} GiB overall"
-                  if "peak_training_gib" in r else "")
+                  + (" per GPU" if "processes" in r else "") if "peak_training_gib" in r else "")
+        if "processes" in r:
+            memory += f", sharded over {r['processes']} {'GPUs' if r.get('peak_training_gib') else 'processes'}"
         frames = f" x {r['frames']} frames" if r.get("frames", 1) > 1 else ""
         lines.append(f"{name} {r['resolution']}px{frames} rank {r['rank']}: {r['s_per_update']:.3f} s/update{memory}; "
                      f"build {r['build_s']:.0f} s, set-up {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s, saves {r['finish_s']:.0f} s "
@@ -400,7 +503,8 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4", "wan21", "wan22_5b"]
+    names = ["sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4", "qwen_image_qint8", "qwen_image_fsdp",
+             "wan21", "wan22_5b"]
     parser.add_argument("--models", nargs="+", default=names, choices=[*names, "wan22_a14b"])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -412,7 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="train.compile: true")
     parser.add_argument("--scratch", help="folder for models, images and runs (default: a temporary one)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (after each model)")
+    parser.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)  # one process of a sharded launch
+    parser.add_argument("--peaks", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker(Path(args.worker), Path(args.peaks))
     import logging
 
     import torch

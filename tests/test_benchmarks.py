@@ -137,12 +137,25 @@ def test_full_size_script_runs_the_real_job_path_on_tiny_presets(tmp_path, tiny_
     assert full_size(["--size", "tiny", "--device", "cpu", "--updates", "3", "--warmup", "1", "--images", "2",
                       "--rank", "4", "--json", str(out)]) == 0
     models = json.loads(out.read_text())["models"]
-    assert set(models) == {"sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4", "wan21", "wan22_5b"}
+    assert set(models) == {"sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4", "qwen_image_qint8",
+                           "qwen_image_fsdp", "wan21", "wan22_5b"}
     assert models["wan21"]["frames"] == 5
+    assert models["qwen_image_fsdp"]["processes"] == 2  # on the CPU: two gloo processes, launched as on GPUs
     for result in models.values():
         assert result["s_per_update"] > 0 and result["loop_s"] > 0 and result["build_s"] > 0
         assert result["setup_s"] > 0 and result["finish_s"] > 0
         assert result["trainable_params_m"] > 0 and len(result["loss_first_last"]) == 2
+
+
+def test_one_gpu_gets_computed_sharding_figures_that_fall_with_the_gpu_count(tiny_cache):
+    """With one GPU there is nothing to shard over: the per-GPU weights for 2, 4 and 8 GPUs are computed from the
+    weight files, each the model over N plus two of its largest blocks."""
+    from benchmarks.full_size import computed_sharding, presets
+    from toolkit.models.qwen_image.tiny import ensure_tiny_qwen_image
+
+    figures = computed_sharding(ensure_tiny_qwen_image(), presets("tiny")["qwen_image_fsdp"])
+    assert list(figures) == [2, 4, 8] and figures[2] > figures[4] > figures[8] > 0
+    assert figures[2] - figures[4] == pytest.approx(2 * (figures[4] - figures[8]))
 
 
 @pytest.mark.slow
