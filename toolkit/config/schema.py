@@ -162,6 +162,10 @@ class SDTrainerConfig(Section):
             problems.append(("network.train_text_encoder", f"{why} yet: the text encoders are not sharded"))
         if train.compile:
             problems.append(("train.compile", f"{why} yet"))
+        for key, value in (("model.dtype", model.dtype), ("train.dtype", train.dtype)):
+            if HALF_PRECISIONS.get(value) == "fp16":
+                problems.append((key, f"fp16 {why}: its loss scaling skips an update where a gradient overflowed, "
+                                 "and each process sees only its part of the gradients; use bf16"))
         return problems
 
     def _text_encoder_lora_problems(self) -> list[Problem]:
