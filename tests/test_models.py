@@ -137,3 +137,24 @@ def test_overlong_prompts_are_found_before_training(loaded):
     adapter = loaded(torch.float32)
     # the tiny tokenizer is byte level: one token per character, 77 with the start and end tokens
     assert adapter.text.overlong_prompts(["a short caption", "x" * 75, "x" * 76]) == [2]
+
+
+def test_a_tiny_preset_keeps_its_folder_when_its_builder_changes_the_preset(tmp_path, monkeypatch):
+    """A builder that changes the dict it is given (transformers' configs add keys to nested dicts) must not change the
+    preset's folder name: the same process asking again (the next job of a launch) finds the folder it built instead
+    of building another under a new name."""
+    from toolkit.models.tiny import ensure_tiny
+
+    monkeypatch.setenv("DIFFTUNE_CACHE", str(tmp_path))
+    builds = []
+
+    def build(folder, preset):
+        builds.append(folder)
+        preset["nested"]["added"] = 1
+        (folder / "config.json").write_text("{}")
+        (folder / "weights.safetensors").write_bytes(b"")
+
+    preset = {"nested": {"width": 4}}
+    first = ensure_tiny("mutating", preset, build)
+    assert ensure_tiny("mutating", preset, build) == first and len(builds) == 1
+    assert preset == {"nested": {"width": 4}}

@@ -7,6 +7,7 @@ temporary folder and renamed, so concurrent processes never see half a model.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -79,7 +80,7 @@ def ensure_tiny(name: str, preset: dict, build: Callable[[Path, dict], None]) ->
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        build(tmp, preset)
+        build(tmp, copy.deepcopy(preset))  # a builder that changes its preset must not change this folder's name
         missing = [str(p.parent.relative_to(tmp)) for p in tmp.rglob("config.json")
                    if not any(p.parent.glob("*.safetensors"))]
         if missing:  # e.g. transformers skips writing on non-zero ranks of a distributed run
