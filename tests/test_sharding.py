@@ -62,8 +62,11 @@ LOKR = ({"arch": "sd15", "name_or_path": "tiny"}, "fp32", {"network": {"type": "
 
 
 def lokr_process(tmp: Path, sharding: str) -> dict:
+    """Batch 1 and `gradient_accumulation: 2`: each process's two micro-batches of an epoch make one update, the
+    first without reducing its gradients (FSDP2's and DDP's no-sync)."""
     model, dtype, extra = LOKR
-    process = sharded_process(tmp, tmp / "data", model, dtype, sharding=sharding)
+    process = sharded_process(tmp, tmp / "data", model, dtype, sharding=sharding, batch_size=1,
+                              gradient_accumulation=2)
     return process | extra
 
 
@@ -202,7 +205,8 @@ def assert_loads_in_diffusers(path: Path, arch: str) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_sharded_lokr_trains_as_under_ddp(sharded_runs):
-    """LoKr: per update the same loss and LR as the same job under DDP, the same final LoKr and EMA."""
+    """LoKr, accumulating two micro-batches per update: per update the same loss and LR as the same job under DDP, the
+    same final LoKr and EMA."""
     launched, _, _ = sharded_runs
     sharded, ddp = launched / "output" / "lokr_fsdp", launched / "output" / "lokr_none"
     ours, theirs = read_metrics(sharded / "metrics.jsonl"), read_metrics(ddp / "metrics.jsonl")

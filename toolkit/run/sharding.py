@@ -141,8 +141,8 @@ def shard_denoiser(module: torch.nn.Module, blocks: tuple[str, ...], device: tor
 
 @torch.no_grad()
 def fill(module: torch.nn.Module, held: dict[str, torch.Tensor], weights) -> None:
-    """Each parameter's local rows and each buffer, from `held` (what existed before sharding) or the weight files;
-    the files are read one block's tensors at a time."""
+    """Each parameter's local rows and each buffer, from `held` (what existed before sharding) or the weight files,
+    one tensor at a time (only this process's rows of it are read)."""
     state = module_tensors(module)
     to_read = [name for name in state if name not in held]
     if to_read and weights is None:
@@ -153,14 +153,13 @@ def fill(module: torch.nn.Module, held: dict[str, torch.Tensor], weights) -> Non
         raise ValueError(f"{type(module).__name__}: the weight files lack {len(missing)} tensors (e.g. {missing[0]})")
     for name, value in held.items():
         place(state[name], value)
-    for group in blocks_of(to_read):
-        for name in group:
-            target = state[name]
-            if isinstance(target, DTensor):
-                start, stop = local_rows(target)
-                place(target, weights.read_rows(in_file[name], start, stop, target.dtype))
-            else:
-                target.copy_(weights.read([in_file[name]], target.dtype, "cpu")[in_file[name]])
+    for name in to_read:
+        target = state[name]
+        if isinstance(target, DTensor):
+            start, stop = local_rows(target)
+            target.to_local().copy_(weights.read_rows(in_file[name], start, stop, target.dtype))
+        else:
+            target.copy_(weights.read([in_file[name]], target.dtype, "cpu")[in_file[name]])
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -168,25 +167,13 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
-def blocks_of(names: list[str]) -> list[list[str]]:
-    """Names grouped by their module path up to the first index (`transformer_blocks.3.`): one block at a time."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        parts = name.split(".")
-        cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
-        groups.setdefault(".".join(parts[:cut]), []).append(name)
-    return list(groups.values())
-
-
 def place(target: torch.Tensor, value: torch.Tensor) -> None:
-    """`value` (a full tensor, or already only this process's rows when its length says so) into `target`."""
+    """A full tensor `value` into `target`: a sharded parameter takes this process's rows of it."""
     if not isinstance(target, DTensor):
         target.copy_(value)
         return
-    local = target.to_local()
     start, stop = local_rows(target)
-    rows = value if value.shape[0] == stop - start and value.shape[0] != target.shape[0] else value[start:stop]
-    local.copy_(rows)
+    target.to_local().copy_(value[start:stop])
 
 
 def resharded(modules: list[torch.nn.Module]) -> None:
@@ -222,7 +209,7 @@ def gathered(modules: list[torch.nn.Module]) -> Iterator[None]:
     swapped = []
     try:
         for owner, name, param in trained_dtensors(modules):
-            full = torch.nn.Parameter(param.full_tensor().detach().clone(), requires_grad=True)
+            full = torch.nn.Parameter(param.full_tensor().detach(), requires_grad=True)
             owner._parameters[name] = full
             swapped.append((owner, name, param))
         yield
