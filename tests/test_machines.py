@@ -4,7 +4,9 @@
 With one shared run folder (`train.shared_filesystem: true`, the default) every file, caches included, has one writer;
 with a run folder per machine (`shared_filesystem: false`) each machine keeps what a resume needs and the main machine
 alone the status, metrics, report, samples and final files. A machine killed mid-run stops the other within seconds,
-and the same commands again resume from the newest checkpoint complete on both.
+and the same commands again resume from the newest checkpoint complete on both; a machine that stops answering stops the
+other after `train.collective_timeout_s`. (The tiny model is built before the launches: two machines that share no
+filesystem each build their own, and on this one host they would share the folder.)
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def writers(record: Path) -> dict[str, set[int]]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_machines_on_one_shared_folder_write_each_file_once_and_resume(tmp_path):
+def test_two_machines_on_one_shared_folder_write_each_file_once_and_resume(tmp_path, tiny_sd15):
     """DDP over two machines sharing the run folder: stopped by Ctrl-C after 3 updates, then the same two commands
     again: the run ends at step 8, every file (checkpoints, caches, status, metrics, samples, final LoRA) written by
     one process only, the caches' entries shared out between the two."""
@@ -125,7 +127,7 @@ def test_two_machines_on_one_shared_folder_write_each_file_once_and_resume(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_machines_with_their_own_folders_survive_a_killed_machine(tmp_path):
+def test_two_machines_with_their_own_folders_survive_a_killed_machine(tmp_path, tiny_sd15):
     """FSDP over two machines, each with its own run folder and caches (`shared_filesystem: false`). The second
     machine killed (launcher and training process) after its checkpoint of step 4: the first stops within
     `STOPS_WITHIN_S`. The newest checkpoint of the second machine set aside, the same two commands resume both from
@@ -174,3 +176,35 @@ def test_two_machines_with_their_own_folders_survive_a_killed_machine(tmp_path):
     entries = [sorted(p.relative_to(tmp_path / f"machine{rank}") for p in (tmp_path / f"machine{rank}" / "cache").rglob("*")
                       if p.is_file()) for rank in (0, 1)]
     assert entries[0] and entries[0] == entries[1]  # each machine has every cache entry
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_machine_that_stops_answering_stops_the_other_after_the_collective_timeout(tmp_path, tiny_sd15):
+    """The second machine frozen (SIGSTOP: its connections stay open, as when a machine loses power or its network
+    without closing them): the first stops once a collective has waited `train.collective_timeout_s` (here 10 s),
+    not later than that plus `STOPS_WITHIN_S`, naming the timeout."""
+    data = make_images(tmp_path / "data", 8, size=(64, 64))
+    jobs = [write_job(tmp_path / f"machine{rank}.yaml", "frozen",
+                      machines_process(tmp_path, f"machine{rank}", data, steps=400, collective_timeout_s=10,
+                                       shared_filesystem=False)) for rank in (0, 1)]
+    port = free_port()
+    machines = [start_machine(job, rank, port, tmp_path) for rank, job in enumerate(jobs)]
+    second = tmp_path / "machine1" / "frozen" / "checkpoints"
+    deadline = time.monotonic() + 300
+    try:
+        while not (second / "step_000000004").is_dir():
+            assert time.monotonic() < deadline and machines[0].poll() is None and machines[1].poll() is None
+            time.sleep(0.2)
+        launcher = psutil.Process(machines[1].pid)
+        for process in [*launcher.children(recursive=True), launcher]:
+            process.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        returncode = machines[0].wait(timeout=10 + STOPS_WITHIN_S + 30)
+        stopped_after = time.monotonic() - frozen
+    finally:
+        kill_machine(machines[1])
+        if machines[0].poll() is None:
+            kill_machine(machines[0])
+    assert returncode != 0 and 10 <= stopped_after < 10 + STOPS_WITHIN_S, stopped_after
+    assert "Timed out" in machines[0].log.read_text()
