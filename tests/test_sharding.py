@@ -71,9 +71,9 @@ def lokr_process(tmp: Path, sharding: str) -> dict:
 
 
 def every_family(tmp: Path, sharding: str) -> dict[str, dict]:
-    """Each other family's own test job (three or four updates, batch 1, float32), with `sharding` as given: Z-Image
-    without its quantization and separate sampling model (both refused with sharding), Wan 2.2 A14B's two experts in
-    turn. (bf16 runs sharded in FLUX.1's equivalence and in the exact resume, an SD 1.5 job; a UNet's bf16 backward
+    """Each other family's own test job (three or four updates, batch 1, float32), with `sharding` as given: SDXL with
+    its text encoders trained, Z-Image without its quantization and separate sampling model (both refused with
+    sharding), Wan 2.2 A14B's two experts in turn. (bf16 runs sharded in FLUX.1's equivalence and in the exact resume, an SD 1.5 job; a UNet's bf16 backward
     sharded comes out a few units of bf16's last place away from the unsharded one's, which Adam's normalised steps
     carry on, so a UNet's bf16 runs are compared with themselves.)"""
     from test_qwen_image_training import qwen_process
@@ -84,7 +84,10 @@ def every_family(tmp: Path, sharding: str) -> dict[str, dict]:
 
     train = {"sharding": sharding, "steps": 3, "batch_size": 1}
     jobs = {
-        "sdxl": sdxl_process(tmp / "sdxl", train=train),
+        # its two text encoders trained too (not sharded: their LoRA's gradients averaged by hand, clipped with the
+        # sharded ones under one norm)
+        "sdxl": sdxl_process(tmp / "sdxl", train={**train, "text_encoder_lr": 5e-4},
+                             network={"linear": 4, "linear_alpha": 4, "train_text_encoder": True}),
         "zimage": zimage_process(tmp / "zimage", train={**train, "cache_text_embeddings": True}),
         "qwen_image": qwen_process(tmp / "qwen_image", train={**train, "cache_text_embeddings": True}),
         "wuerstchen": wuerstchen_process(tmp / "wuerstchen", train=train),

@@ -688,11 +688,25 @@ class BaseSDTrainProcess(BaseProcess):
     def clip_gradients(self) -> torch.Tensor:
         """The gradients' total norm (a device value), the gradients clipped to `train.max_grad_norm` (0: not
         clipped). fp16 gradients are unscaled first (accelerate's `unscale_gradients`, nothing otherwise); then
-        torch's own clipping, which is what accelerate's `clip_grad_norm_` comes to for DDP or one process, without
-        its grouping of the parameters by device mesh for sharded training (difftune shards none) at every update."""
+        torch's own clipping, which is what accelerate's `clip_grad_norm_` comes to for DDP or one process. Sharded,
+        the denoiser's gradients are DTensors on one mesh, which torch's norm takes (its total is the same on every
+        process); a trained text encoder's are plain tensors, so their norms are taken apart and joined."""
         self.accelerator.unscale_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.train.max_grad_norm or float("inf"))
-        return norm.to_local() if isinstance(norm, DTensor) else norm  # sharded: every process has the total
+        limit = self.config.train.max_grad_norm or float("inf")
+        if not (self.sharding.enabled and self.text_params):
+            norm = torch.nn.utils.clip_grad_norm_(self.lora_params, limit)
+            return norm.to_local() if isinstance(norm, DTensor) else norm  # sharded: every process has the total
+        text = {id(p) for p in self.text_params}
+        sharded = [p for p in self.lora_params if id(p) not in text]
+        parts = [torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                 for params in (sharded, self.text_params)]
+        parts = [part.to_local() if isinstance(part, DTensor) else part for part in parts]
+        norm = torch.linalg.vector_norm(torch.stack([part.to(parts[0].device) for part in parts]))
+        # torch's clipping rule (`clip_grads_with_norm_`), on each process's own part of the sharded gradients
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.lora_params
+                 if p.grad is not None]
+        torch._foreach_mul_(grads, torch.clamp(limit / (norm + 1e-6), max=1.0))
+        return norm
 
     def average_text_encoder_grads(self) -> None:
         """The text encoders are not wrapped in DDP (their LoRA is small, and wrapping would route every prompt

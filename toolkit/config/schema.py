@@ -158,8 +158,6 @@ class SDTrainerConfig(Section):
                              "outside the sharded model"))
         if network.use_dora:
             problems.append(("network.use_dora", f"{why}: DoRA's magnitudes start from the full base weights"))
-        if network.train_text_encoder:
-            problems.append(("network.train_text_encoder", f"{why} yet: the text encoders are not sharded"))
         if train.compile:
             problems.append(("train.compile", f"{why} yet"))
         for key, value in (("model.dtype", model.dtype), ("train.dtype", train.dtype)):
