@@ -313,7 +313,9 @@ def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Pat
                       "cache_latents": True, "cache_dir": str(folder / "cache"),
                       **({"num_frames": spec["frames"]} if "frames" in spec else {})}],
         "train": {"batch_size": 1, "steps": args.updates, "lr": 1e-4, "dtype": "bf16" if cuda else "fp32",
-                  "optimizer": "adamw8bit" if cuda else "adamw", "gradient_checkpointing": True,
+                  # sharded parameters take torch's AdamW, not bitsandbytes' 8-bit one
+                  "optimizer": "adamw8bit" if cuda and not spec.get("sharded") else "adamw",
+                  "gradient_checkpointing": True,
                   "cache_text_embeddings": True, "compile": args.compile,
                   **({"sharding": "fsdp"} if spec.get("sharded") else {})},
         "model": {**spec["model"], "name_or_path": str(model_path), "dtype": "bf16" if cuda else "fp32"},

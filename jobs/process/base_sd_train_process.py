@@ -37,6 +37,7 @@ from toolkit.run.accelerator import RunAccelerator
 from toolkit.run.checkpoint import Checkpoints, TrainedParts
 from toolkit.run.disk import DiskProblem, disk_error, disk_message, space_warning, tree_bytes
 from toolkit.run.faults import Faults
+from toolkit.errors import UserError
 from toolkit.run.folder import RunFolder, RunFolderError
 from toolkit.run.monitor import Monitor, UpdateValues
 from toolkit.run.out_of_memory import JobMemory, OutOfMemory, is_out_of_memory, module_bytes, out_of_memory_message
@@ -415,6 +416,10 @@ class BaseSDTrainProcess(BaseProcess):
         if not self.sharded:
             return Unsharded()
         cfg, acc = self.config, self.accelerator
+        if cfg.train.fsdp_cpu_offload and acc.device.type == "cuda":
+            # its shards, gradients and optimizer state are on the host, which the GPUs' NCCL group cannot reduce
+            raise UserError("train.fsdp_cpu_offload is not supported on GPUs yet (its host-side gradients need a gloo "
+                            "group beside NCCL); remove it, or shard over more GPUs")
         denoisers = self.adapter.denoisers()
         names = {id(param): (index, name) for index, module in enumerate(denoisers)
                  for name, param in module.named_parameters()}
@@ -756,12 +761,14 @@ class BaseSDTrainProcess(BaseProcess):
 
     def sample(self, step: int) -> None:
         """The samples of `step`. Running out of memory while rendering skips them with a warning naming the memory
-        and what would lower it; training goes on (every process still meets at the end of sampling)."""
+        and what would lower it; training goes on (every process still meets at the end of sampling). Sharded, every
+        process renders inside the same forwards, so running out of memory there stops the run like any other."""
         try:
             with self.in_phase("sampling"):
                 self.monitor.sample(step)
         except BaseException as error:
-            if not is_out_of_memory(error):
+            # sharded, every process is inside the same forwards: one that skips would leave the others waiting
+            if not is_out_of_memory(error) or self.sharding.enabled:
                 raise
             message = self.out_of_memory_message(error).split("\nThe run stopped")[0]
             self.phase = "training"

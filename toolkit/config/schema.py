@@ -45,6 +45,15 @@ ModelConfig = Annotated[Union[tuple(config_classes())], Field(discriminator="arc
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
+#: optimizers that cannot step sharded parameters (DTensors), and why (torch 2.14, bitsandbytes 0.50)
+SHARDABLE_OPTIMIZERS_NOT = {
+    "adamw8bit": "bitsandbytes' kernels take no sharded tensors",
+    "lion8bit": "bitsandbytes' kernels take no sharded tensors",
+    "adafactor": "its factored statistics mix sharded and plain tensors",
+    "prodigy": "it flattens parameters, which fails on shapes the processes do not split evenly",
+}
+
+
 class SDTrainerConfig(Section):
     """Process `sd_trainer`: LoRA training of a diffusion model."""
 
@@ -160,6 +169,9 @@ class SDTrainerConfig(Section):
             problems.append(("network.use_dora", f"{why}: DoRA's magnitudes start from the full base weights"))
         if train.compile:
             problems.append(("train.compile", f"{why} yet"))
+        if train.optimizer in SHARDABLE_OPTIMIZERS_NOT:
+            problems.append(("train.optimizer", f"{train.optimizer} {why}: {SHARDABLE_OPTIMIZERS_NOT[train.optimizer]}; "
+                             "use adamw or schedulefree_adamw"))
         for key, value in (("model.dtype", model.dtype), ("train.dtype", train.dtype)):
             if HALF_PRECISIONS.get(value) == "fp16":
                 problems.append((key, f"fp16 {why}: its loss scaling skips an update where a gradient overflowed, "

@@ -187,12 +187,12 @@ def empty_denoiser(model_class, source: str, subfolder: str, dtype: torch.dtype,
     config = model_class.load_config(source, subfolder=subfolder, revision=revision)
     with init_empty_weights(include_buffers=False):
         model = model_class.from_config(config)
-    model.to(dtype)
+    # parameters in `dtype` by diffusers' own rule (a name part in `_keep_in_fp32_modules` keeps float32); buffers as
+    # construction made them (rotary tables are float32 and not in the weight files)
     keep = model_class._keep_in_fp32_modules or []
-    if dtype != torch.float32 and keep:
-        for name, module in model.named_modules():
-            if any(part in name.split(".") for part in keep):
-                module.to(torch.float32)
+    for name, param in model.named_parameters():
+        wanted = torch.float32 if any(part in name.split(".") for part in keep) else dtype
+        param.data = param.data.to(wanted)
     model.requires_grad_(False)
     setattr(model, WEIGHTS_ATTRIBUTE, StreamedWeights(subfolder_weight_files(source, subfolder, variant, revision)))
     return model.eval()

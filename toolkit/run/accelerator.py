@@ -139,6 +139,12 @@ class RunAccelerator:
         )
         if self.precision.scales_loss and self.accelerator.scaler is None:
             enable_cpu_fp16(self.accelerator)
+        if torch.distributed.is_initialized():
+            # accelerate passes a timeout equal to its own default on to nobody, and keeps its process group across
+            # jobs: the default group's timeout is set here (a private torch function, the one public way there is not)
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            _set_pg_timeout(timeout)
         self.host_group = host_process_group(self.accelerator.num_processes, timeout)
 
     @property

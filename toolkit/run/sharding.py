@@ -134,6 +134,9 @@ def shard_denoiser(module: torch.nn.Module, blocks: tuple[str, ...], device: tor
     for block in block_modules(module, blocks):
         fully_shard(block, mesh=mesh, offload_policy=offload)
     fully_shard(module, mesh=mesh, offload_policy=offload)
+    # peft's LoKr/LoHa skip a dropped module entirely, drawn per process: every process reduces every trained
+    # parameter, a gradient it did not make counted as zeros (else the processes' reductions differ in size)
+    module.set_reduce_scatter_unused_params(True)
     module.to_empty(device="cpu" if cpu_offload else device)
     fill(module, held, weights)
     return module

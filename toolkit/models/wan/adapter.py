@@ -302,7 +302,9 @@ class WanAdapter(ModelAdapter):
         loaded: dict[str, WanTransformer3DModel | None] = dict.fromkeys(EXPERT_OF if two else ["transformer"])
         for name in wanted:
             with memory_debug(f"{name} load" + (" and quantization" if qtype else ""), debug_memory):
-                loaded[name] = cls.load_transformer(source, name, dtype, qtype, device, empty=empty_denoiser, **kw)
+                # a sample-only expert is not trained, so not sharded: loaded whole where samples render
+                loaded[name] = cls.load_transformer(source, name, dtype, qtype, device,
+                                                    empty=empty_denoiser and name not in sample_only, **kw)
                 if name in parked:
                     move_frozen(loaded[name], "cpu")
         if model_cfg.assistant_lora_path:
