@@ -140,8 +140,8 @@ class RunAccelerator:
         if self.precision.scales_loss and self.accelerator.scaler is None:
             enable_cpu_fp16(self.accelerator)
         if torch.distributed.is_initialized():
-            # accelerate passes a timeout equal to its own default on to nobody, and keeps its process group across
-            # jobs: the default group's timeout is set here (a private torch function, the one public way there is not)
+            # accelerate drops a timeout equal to its own default and keeps its process group from job to job, so the
+            # default group's timeout is set here (torch has no public call for it)
             from torch.distributed.distributed_c10d import _set_pg_timeout
 
             _set_pg_timeout(timeout)
