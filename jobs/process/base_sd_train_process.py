@@ -42,7 +42,14 @@ from toolkit.run.folder import RunFolder, RunFolderError
 from toolkit.run.monitor import Monitor, UpdateValues
 from toolkit.run.out_of_memory import JobMemory, OutOfMemory, is_out_of_memory, module_bytes, out_of_memory_message
 from toolkit.run.sampling import Sampler, SampleRenderer, cuda_devices
-from toolkit.run.sharding import Sharded, Unsharded, autocast_forward, block_modules, shard_denoiser
+from toolkit.run.sharding import (
+    Sharded,
+    Unsharded,
+    autocast_forward,
+    block_modules,
+    shard_denoiser,
+    sharded_parameters,
+)
 from toolkit.run.signals import GracefulStop
 from toolkit.train.ema import LoraEMA
 from toolkit.train.lr_schedulers import build_lr_scheduler
@@ -342,8 +349,9 @@ class BaseSDTrainProcess(BaseProcess):
     def load_model(self) -> ModelAdapter:
         cfg, acc = self.config, self.accelerator
         # The main process first (without a shared filesystem, each machine's first): it alone downloads or builds
-        # (tiny presets) what is missing; the others then read the finished files instead of racing to write them. Only it renders samples (sharded: all of them),
-        # so only it loads models used for nothing else. Sharded, the denoiser is built empty: `shard` fills it.
+        # (tiny presets) what is missing; the others then read the finished files instead of racing to write them.
+        # Only it renders samples (sharded: all of them), so only it loads models used for nothing else. Sharded, the
+        # denoiser is built empty: `shard` fills it.
         with self.runtime.writer_first():
             adapter = get_adapter_class(cfg.model.arch).load(
                 cfg.model, acc.device, self.precision.base, debug_memory=cfg.logging.debug_memory,
@@ -421,20 +429,10 @@ class BaseSDTrainProcess(BaseProcess):
             raise UserError("train.fsdp_cpu_offload is not supported on GPUs yet (its host-side gradients need a gloo "
                             "group beside NCCL); remove it, or shard over more GPUs")
         denoisers = self.adapter.denoisers()
-        names = {id(param): (index, name) for index, module in enumerate(denoisers)
-                 for name, param in module.named_parameters()}
-        with memory_debug("sharding", cfg.logging.debug_memory):
+        with memory_debug("sharding", cfg.logging.debug_memory), sharded_parameters(denoisers, self.param_groups):
             for module in denoisers:
                 shard_denoiser(module, self.adapter.sharded_blocks, acc.device, cfg.train.fsdp_cpu_offload,
                                self.runtime.host_group)
-        now = [dict(module.named_parameters()) for module in denoisers]
-
-        def sharded(param: torch.nn.Parameter) -> torch.nn.Parameter:
-            index, name = names[id(param)]
-            return now[index][name]
-
-        for group in self.param_groups:
-            group["params"] = [sharded(param) if id(param) in names else param for param in group["params"]]
         if acc.is_main_process:
             units = sum(len(block_modules(module, self.adapter.sharded_blocks)) for module in denoisers)
             log.info("sharding: the denoiser split over %d processes (FSDP2, %d blocks)%s", acc.num_processes, units,

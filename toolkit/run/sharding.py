@@ -113,6 +113,18 @@ class Sharded(Unsharded):
         return shard_optimizer_state(saved, optimizer)
 
 
+@contextmanager
+def sharded_parameters(modules: list[torch.nn.Module], groups: list[dict]) -> Iterator[None]:
+    """Around sharding `modules`: the optimizer's parameter groups then hold the sharded parameters (FSDP2 replaces
+    each parameter of a module it shards by a DTensor of the same name) in place of the ones they held."""
+    names = {id(param): (index, name) for index, module in enumerate(modules)
+             for name, param in module.named_parameters()}
+    yield
+    now = [dict(module.named_parameters()) for module in modules]
+    for group in groups:
+        group["params"] = [now[names[id(p)][0]][names[id(p)][1]] if id(p) in names else p for p in group["params"]]
+
+
 def shard_denoiser(module: torch.nn.Module, blocks: tuple[str, ...], device: torch.device,
                    cpu_offload: bool, host_group=None) -> torch.nn.Module:
     """Shard `module` block by block (then the rest of it) over every process and fill it: the frozen weights from
@@ -129,7 +141,8 @@ def shard_denoiser(module: torch.nn.Module, blocks: tuple[str, ...], device: tor
             if tensor.device.type != "meta"}
     trained = {name for name, param in module.named_parameters() if param.requires_grad}
     for name in sorted(held.keys() & trained):
-        torch.distributed.broadcast(held[name], src=0, group=host_group)  # the LoRA's initial values: rank 0's everywhere
+        # the LoRA's initial values: rank 0's everywhere
+        torch.distributed.broadcast(held[name], src=0, group=host_group)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     for block in block_modules(module, blocks):
         fully_shard(block, mesh=mesh, offload_policy=offload)
