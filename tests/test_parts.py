@@ -262,7 +262,7 @@ class FakeAdapter:
     def expert_at(self, update_index: int):
         return None
 
-    def predict(self, noisy, timesteps, embeds, module=None, image_sizes=None, expert=None):
+    def predict(self, noisy, timesteps, embeds, module=None, image_sizes=None, expert=None, references=None):
         module = module or self.module
         self.predicted_in_training_mode.append(module.training)
         self.experts_seen.append((None if expert is None else expert.name, timesteps.tolist()))

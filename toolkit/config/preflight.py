@@ -30,6 +30,12 @@ def _inside(value: str, written: Sequence[Path]) -> bool:
     return any(where == folder.absolute() or folder.absolute() in where.parents for folder in written)
 
 
+def reference_folder_problems(key: str, folders: list[str]) -> list[tuple[str, str]]:
+    """(message, folder) for each reference folder that is not there (`control_path`: one, or one per slot)."""
+    named = [(key if len(folders) == 1 else f"{key}[{slot}]", folder) for slot, folder in enumerate(folders)]
+    return [(f"{at}: folder not found: {folder}", folder) for at, folder in named if not Path(folder).is_dir()]
+
+
 def _path_problems(process: BaseModel) -> list[tuple[str, str]]:
     """(message, the path it names) for each path problem."""
     problems: list[tuple[str | None, str]] = []
@@ -44,9 +50,12 @@ def _path_problems(process: BaseModel) -> list[tuple[str, str]]:
                          dataset.folder_path))
         if dataset.mask_path is not None and not Path(dataset.mask_path).expanduser().is_dir():
             problems.append((f"datasets[{index}].mask_path: folder not found: {dataset.mask_path}", dataset.mask_path))
-    held_out = getattr(getattr(process, "validation", None), "folder_path", None)
+        problems += reference_folder_problems(f"datasets[{index}].control_path", dataset.reference_folders)
+    validation = getattr(process, "validation", None)
+    held_out = getattr(validation, "folder_path", None)
     if held_out:
         problems.append((sample_folder_problem("validation.folder_path", held_out, video, family), held_out))
+        problems += reference_folder_problems("validation.control_path", validation.reference_folders)
     sections = [("model", model)] + [(f"model.{name}", getattr(model, name)) for name in ("sampling",)
                                       if isinstance(getattr(model, name, None), BaseModel)]
     for prefix, section in sections:

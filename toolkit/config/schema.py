@@ -110,10 +110,37 @@ class SDTrainerConfig(Section):
         if self.sample.guidance_rescale is not None and not facts.guidance_rescale:
             problems.append(("sample.guidance_rescale", f"the {arch} sampling pipeline has no guidance rescale; "
                              "remove it"))
-        problems += self._frame_problems(facts, arch)
+        problems += self._frame_problems(facts, arch) + self._reference_problems(facts, arch)
         if self.sample.use_ema and self.train.ema is None:
             problems.append(("sample.use_ema", "there is no EMA to render with; set train.ema (e.g. {decay: 0.999}) "
                              "or remove sample.use_ema"))
+        return problems
+
+    def _reference_problems(self, facts, arch: str) -> list[Problem]:
+        """Reference folders only for image-editing families, at most as many as a sample takes; held-out pairs
+        with their references."""
+        rules = facts.references
+        sources = [(f"datasets[{index}]", dataset) for index, dataset in enumerate(self.datasets)]
+        if self.validation is not None:
+            sources.append(("validation", self.validation))
+        problems = []
+        for at, source in sources:
+            folders = source.reference_folders
+            if folders and rules is None:
+                problems.append((f"{at}.control_path", f"the {arch} family ({facts.title}) takes no reference "
+                                 "images; remove it (image-editing families: flux_kontext, qwen_image_edit)"))
+            elif rules is not None and len(folders) > rules.slots:
+                problems.append((f"{at}.control_path", f"{facts.title} takes at most {rules.slots} reference "
+                                 f"image(s) per sample, not {len(folders)} folders"))
+            if getattr(source, "control_optional", False) and rules is not None and not rules.optional:
+                problems.append((f"{at}.control_optional", f"{facts.title} cannot train without a reference image; "
+                                 "remove it, and give every target its reference"))
+        validation = self.validation
+        paired = [d for d in self.datasets if d.control_path is not None and not d.control_optional]
+        if (rules is not None and validation is not None and validation.folder_path is not None
+                and validation.control_path is None and paired):
+            problems.append(("validation.control_path", "the training targets have references, so the held-out ones "
+                             "need theirs: give the held-out references' folder(s)"))
         return problems
 
     def _frame_problems(self, facts, arch: str) -> list[Problem]:

@@ -14,6 +14,12 @@ from toolkit.diffusion.timestep_params import TimestepParams
 from toolkit.train.optimizer_params import optimizer_param_problems, uses_relative_step
 
 
+def expanded_path(value: str) -> str:
+    """A path with `~` and `$VARS` expanded, read once in the config so that the pre-run check and the loader read
+    the same place."""
+    return os.path.expandvars(os.path.expanduser(value.strip()))
+
+
 class NetworkConfig(Section):
     """The trained adapter (peft's LoRA, LoKr or LoHa)."""
 
@@ -90,6 +96,13 @@ class SaveConfig(Section):
                                         json_schema_extra=aka("checkpoints_total_limit"))
 
 
+def reference_folders(control_path: str | list[str] | None) -> list[str]:
+    """A `control_path` as a list of folders, one per reference slot (none without it)."""
+    if control_path is None:
+        return []
+    return [control_path] if isinstance(control_path, str) else list(control_path)
+
+
 class DatasetConfig(Section):
     """One folder of images with sidecar captions."""
 
@@ -155,6 +168,15 @@ class DatasetConfig(Section):
                                   json_schema_extra=aka("mask_folder"))
     mask_min_value: float = Field(0.0, ge=0, le=1, description="Mask values are raised to at least this (0-1): the "
                                   "masked-out areas keep this much weight.")
+    control_path: str | list[str] | None = Field(
+        None, description="Image-editing families (flux_kontext, qwen_image_edit): the folder of reference images, "
+        "or a list of folders (one per reference slot, in order), each image named like its target (any image "
+        "extension). The caption is the instruction. Pairs are checked before the model loads: every target without "
+        "its reference is named. A reference is sized by the family's rule, and cropped and mirrored with its target "
+        "(`flip_x`, `flip_y`, `random_crop`); its latent is cached with the target's.",
+        json_schema_extra=aka("control_dir", "control_directory", "reference_path"))
+    control_optional: bool = Field(False, description="Targets without a reference train without one (as plain "
+                                   "text-to-image samples), where the family can; otherwise they are refused by name.")
 
     @field_validator("resolution", mode="before")
     @classmethod
@@ -179,12 +201,36 @@ class DatasetConfig(Section):
         """`~` and `$VARS` expanded once here, so the pre-run check and the loader read the same folder."""
         return None if value is None else os.path.expandvars(os.path.expanduser(value.strip()))
 
+    @field_validator("control_path")
+    @classmethod
+    def _reference_folders(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("give one folder, or a list of one or more folders")
+            return [expanded_path(v) for v in value]
+        return None if value is None else expanded_path(value)
+
+    @property
+    def reference_folders(self) -> list[str]:
+        return reference_folders(self.control_path)
+
     def problems(self) -> list[Problem]:
-        """The mask folder is another folder: in the image folder, the masks would be read as samples too."""
+        """The mask and reference folders are other folders: in the image folder, they would be read as samples
+        too."""
+        problems = []
         if self.mask_path is not None and os.path.realpath(self.mask_path) == os.path.realpath(self.folder_path):
-            return [("mask_path", f"the image folder itself ({self.folder_path}): its masks would be trained on as "
-                     "images; put the masks in a folder of their own (named like the images) and give that folder")]
-        return []
+            problems.append(("mask_path", f"the image folder itself ({self.folder_path}): its masks would be trained "
+                             "on as images; put the masks in a folder of their own (named like the images) and give "
+                             "that folder"))
+        for folder in self.reference_folders:
+            if os.path.realpath(folder) == os.path.realpath(self.folder_path):
+                problems.append(("control_path", f"the image folder itself ({self.folder_path}): its references "
+                                 "would be trained on as targets, each paired with itself; put the references in a "
+                                 "folder of their own (named like the targets)"))
+        if self.control_optional and self.control_path is None:
+            problems.append(("control_optional", "there is no control_path whose references could be missing; "
+                             "remove it"))
+        return problems
 
 
 class LRSchedulerParams(Section):
@@ -502,6 +548,9 @@ class ValidationConfig(Section):
     every: int = Field(100, ge=1, description="Evaluate every N optimizer updates (and before the first and after "
                        "the last).", json_schema_extra=aka("validation_steps", "eval_every"))
     batch_size: int = Field(4, ge=1, description="Samples per evaluation batch per process.")
+    control_path: str | list[str] | None = Field(
+        None, description="With `folder_path`, for image-editing families: the held-out targets' reference folder(s), "
+        "as `datasets[].control_path` (a split's samples keep their dataset's references).")
     timesteps: int = Field(6, ge=1, le=64, description="Noise levels per sample: u = (k + 0.5) / N for k < N, the "
                            "same for every sample and evaluation; logged as `val_loss` and per third of the range "
                            "(`val_loss_low`, `val_loss_mid`, `val_loss_high`: u below 1/3, to 2/3, above).")
@@ -510,7 +559,19 @@ class ValidationConfig(Section):
         if (self.folder_path is None) == (self.split is None):
             return [("", "give `folder_path` (a held-out folder) or `split` (a fraction of the training data), "
                      "one of them")]
+        if self.control_path is not None and self.folder_path is None:
+            return [("control_path", "a split's samples keep their dataset's references; remove it, or give "
+                     "`folder_path`")]
         return []
+
+    @field_validator("control_path")
+    @classmethod
+    def _reference_folders(cls, value: str | list[str] | None) -> str | list[str] | None:
+        return DatasetConfig._reference_folders(value)
+
+    @property
+    def reference_folders(self) -> list[str]:
+        return reference_folders(self.control_path)
 
     @field_validator("folder_path")
     @classmethod

@@ -12,6 +12,14 @@ or float, each by its own range; a colour image as its luminance: `mask_values`)
 `mask_min_value`, goes through the same resize, crop and mirror as its picture (`load_mask`); the objective brings it
 to the latent grid. In a job where any dataset has masks, every sample carries one (all ones where there is none).
 
+Reference images (`datasets[].control_path`, image-editing families): each target's references, one per folder (slot),
+found by base name when the folder is scanned (a target without its reference is refused by name, unless
+`control_optional`). A reference is sized by the family's rule (`ReferenceFacts.size`): `target`, resized to cover
+the target's bucket and cropped at the same fraction of its slack as the target (a reference of the target's size:
+the same pixels); `budget`, the target's pixel area at the reference's own aspect ratio, from the target's crop
+window where the two have one aspect ratio (else the whole picture); then mirrored as the target is. Samples carry
+them as `reference_pixels_<slot>` ([3, h, w]), or cached as `reference_mean_<slot>`.
+
 With a latent cache, a variant without an entry yet comes as pixels with the key to store it under (`latent_key`);
 the training loop encodes those rows, never a loader worker (`LatentCache.complete`)."""
 
@@ -39,6 +47,7 @@ from toolkit.data.clips import (
 )
 from toolkit.data.media import clip_files, mask_files, sample_extensions, sample_files
 from toolkit.errors import UserError
+from toolkit.models.config import ReferenceFacts
 from toolkit.train.seeding import seeded_generator
 
 EXIF_ORIENTATION = 0x0112
@@ -60,6 +69,15 @@ class ClipFrames:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """A reference image of a sample (`datasets[].control_path`): its file and its size as displayed."""
+
+    path: Path
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
 class ImageRecord:
     """One usable sample file: its size as displayed (EXIF orientation applied; a clip's frame size) and its final
     caption. `clip` is set for a clip (video families only): which of its frames the sample takes; an image has
@@ -71,6 +89,9 @@ class ImageRecord:
     caption: str
     clip: ClipFrames | None = None
     mask: Path | None = None  # its loss mask file, in a dataset with `mask_path`
+    #: its reference images, in slot order (`control_path`); fewer than the folders where `control_optional` let a
+    #: missing one go
+    references: tuple[Reference, ...] = ()
 
     @property
     def frames(self) -> int:
@@ -123,6 +144,7 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None, frame_step: int = 
         raise DatasetError(f"dataset folder not found: {folder}")
     video = frame_step > 0
     masks = _mask_folder(cfg)
+    pairs = ReferencePairs(cfg)
     if not video:
         ignored = clip_files(folder)
         if ignored:
@@ -140,9 +162,11 @@ def scan_folder(cfg: DatasetConfig, trigger_word: str | None, frame_step: int = 
         (width, height), clip = sample
         caption = read_caption(path, cfg.caption_ext, cfg.default_caption)
         mask = None if masks is None else masks.get(path.stem)
-        records.append(ImageRecord(path, width, height, apply_trigger(caption, trigger_word, cfg.is_reg), clip, mask))
+        records.append(ImageRecord(path, width, height, apply_trigger(caption, trigger_word, cfg.is_reg), clip, mask,
+                                   pairs.of(path)))
     if short:
         raise DatasetError("\n".join(short))
+    pairs.check()
     if masks is not None:
         _warn_unmasked(records, cfg)
     clips = [r for r in records if r.clip is not None and r.clip.info.frames > 1]
@@ -163,6 +187,48 @@ def _mask_folder(cfg: DatasetConfig) -> dict[str, Path] | None:
     if not folder.is_dir():
         raise DatasetError(f"mask folder not found: {folder}")
     return mask_files(folder)
+
+
+class ReferencePairs:
+    """The reference images of one dataset's targets (`control_path`: one folder per slot), found by base name. The
+    targets without one (missing, or unreadable) are collected while the folder is scanned and named together by
+    `check`: refused, or with `control_optional` told in one warning and trained without them."""
+
+    def __init__(self, cfg: DatasetConfig, key: str = "control_path"):
+        self.cfg, self.key = cfg, key
+        self.folders = [Path(folder) for folder in cfg.reference_folders]
+        for folder in self.folders:
+            if not folder.is_dir():
+                raise DatasetError(f"reference folder not found: {folder} ({key})")
+        self.files = [mask_files(folder) for folder in self.folders]
+        #: (target, slot folder, why) of each reference that is not there
+        self.missing: list[tuple[Path, Path, str]] = []
+
+    def of(self, target: Path) -> tuple[Reference, ...]:
+        found = []
+        for folder, files in zip(self.folders, self.files):
+            path = files.get(target.stem)
+            if path is None:
+                self.missing.append((target, folder, "missing"))
+                continue
+            try:
+                width, height = read_image_size(path)
+            except Exception as err:  # PIL raises many types for broken files
+                self.missing.append((target, folder, f"unreadable {path.name}: {err}"))
+                continue
+            found.append(Reference(path, width, height))
+        return tuple(found)
+
+    def check(self) -> None:
+        if not self.missing:
+            return
+        listed = "\n".join(f"  {target.name}: {why} in {folder}" for target, folder, why in self.missing)
+        if not getattr(self.cfg, "control_optional", False):
+            raise DatasetError(f"{len(self.missing)} target(s) of {self.cfg.folder_path} have no reference image "
+                               f"({self.key}; the same base name, any image extension):\n{listed}\nadd them, or set "
+                               "control_optional: true to train those targets without one")
+        log.warning("%d target(s) of %s train without a reference image (control_optional):\n%s", len(self.missing),
+                    self.cfg.folder_path, listed)
 
 
 def _warn_unmasked(records: list[ImageRecord], cfg: DatasetConfig) -> None:
@@ -279,6 +345,82 @@ def draw_variant(item: TrainItem, options: SampleOptions, seed: int, epoch: int,
         slack_x, slack_y = plan.resized[0] - item.bucket[0], plan.resized[1] - item.bucket[1]
         left, top = min(int(crop_x * (slack_x + 1)), slack_x), min(int(crop_y * (slack_y + 1)), slack_y)
     return Variant(left, top, options.flip_x and flip_x < 0.5, options.flip_y and flip_y < 0.5)
+
+
+def reference_sizes(item: TrainItem, rules: ReferenceFacts) -> tuple[tuple[int, int], ...]:
+    """The (width, height) each of the item's references is trained at, by the family's rule: the target's bucket
+    (`target`), or the bucket's pixel area at the aspect ratio of the reference's window (`reference_window`),
+    sides rounded to `rules.multiple` (`budget`). The same for every variant of the item."""
+    if rules.size == "target":
+        return tuple(item.bucket for _ in item.record.references)
+    area = item.bucket[0] * item.bucket[1]
+    sizes = []
+    for reference in item.record.references:
+        left, top, right, bottom = reference_window(item, reference, None)
+        sizes.append(budget_size(area, (right - left) / (bottom - top), rules.multiple))
+    return tuple(sizes)
+
+
+def budget_size(area: int, aspect: float, multiple: int) -> tuple[int, int]:
+    """Sides of about `area` pixels at `aspect` (width / height), each rounded to `multiple` (at least one), as the
+    Qwen-Image-Edit pipelines' `calculate_dimensions` makes them."""
+    width = (area * aspect) ** 0.5
+    height = width / aspect
+    return (max(multiple, round(width / multiple) * multiple), max(multiple, round(height / multiple) * multiple))
+
+
+#: how far apart two aspect ratios may be for a reference to be cut with its target's crop window
+SAME_ASPECT = 0.01
+
+
+def reference_window(item: TrainItem, reference: Reference, variant: Variant | None) -> tuple[float, ...]:
+    """The part of a reference (left, top, right, bottom, in its own pixels) that a `budget`-sized reference shows:
+    where it has the target's aspect ratio, the window the target's crop takes of the target (at the same fractions),
+    so that the pair keeps showing the same region; otherwise the whole reference."""
+    width, height = item.record.width, item.record.height
+    if abs((reference.width / reference.height) / (width / height) - 1) > SAME_ASPECT:
+        return 0.0, 0.0, float(reference.width), float(reference.height)
+    plan = crop_plan(width, height, item.bucket)
+    variant = variant or centre_variant(item)
+    x0, y0 = variant.left / plan.resized[0], variant.top / plan.resized[1]
+    x1, y1 = x0 + item.bucket[0] / plan.resized[0], y0 + item.bucket[1] / plan.resized[1]
+    return x0 * reference.width, y0 * reference.height, x1 * reference.width, y1 * reference.height
+
+
+def same_slack_fraction(item: TrainItem, reference: Reference, variant: Variant | None) -> Variant:
+    """A `target`-sized reference's crop in its covering resize: at the same fraction of its slack as the target's
+    crop (the centre at the centre; a reference of the target's size: the target's own offsets), mirrored alike."""
+    variant = variant or centre_variant(item)
+    target = crop_plan(item.record.width, item.record.height, item.bucket)
+    own = crop_plan(reference.width, reference.height, item.bucket)
+
+    def offset(at: int, slack: int, own_slack: int, own_centre: int) -> int:
+        return own_centre if slack == 0 else min(own_slack, round(at / slack * own_slack))
+
+    left = offset(variant.left, target.resized[0] - item.bucket[0], own.resized[0] - item.bucket[0], own.left)
+    top = offset(variant.top, target.resized[1] - item.bucket[1], own.resized[1] - item.bucket[1], own.top)
+    return Variant(left, top, variant.flip_x, variant.flip_y)
+
+
+def load_references(item: TrainItem, variant: Variant | None, rules: ReferenceFacts) -> list[torch.Tensor]:
+    """The item's reference images as its variant shows them (`reference_sizes`, cropped with the target and
+    mirrored alike), float [3, h, w] in [-1, 1] each, in slot order."""
+    pictures = []
+    for reference, size in zip(item.record.references, reference_sizes(item, rules)):
+        try:
+            with Image.open(reference.path) as opened:
+                ImageOps.exif_transpose(opened, in_place=True)
+                image = opened.convert("RGB")
+        except Exception as err:
+            raise DatasetError(f"cannot read reference image {reference.path} (of {item.record.path}): {err}") from err
+        if rules.size == "target":
+            own = same_slack_fraction(item, reference, variant)
+            pixels = _fit(image, item.bucket, own)
+        else:
+            window = reference_window(item, reference, variant)
+            pixels = np.asarray(image.resize(size, Image.Resampling.BICUBIC, box=window)).astype(np.float32)
+        pictures.append(_mirrored(_signed(torch.from_numpy(pixels)).permute(2, 0, 1), variant))
+    return pictures
 
 
 def image_sizes(item: TrainItem, variant: Variant | None = None) -> torch.Tensor:
@@ -464,9 +606,11 @@ class ImageDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, items: list[TrainItem], sizes: bool = False, options: dict[int, SampleOptions] | None = None,
-                 seed: int = 0):
-        """`options`: each dataset's (by its number; `PLAIN` for the rest); `seed`: the train seed, of the draws."""
+                 seed: int = 0, references: ReferenceFacts | None = None):
+        """`options`: each dataset's (by its number; `PLAIN` for the rest); `seed`: the train seed, of the draws;
+        `references`: the family's rule for reference images (image-editing families)."""
         self.items = items
+        self.references = references
         self.sizes = sizes
         self.options = options or {}
         self.seed = seed
@@ -563,13 +707,21 @@ class ImageDataset(torch.utils.data.Dataset):
             sample["image_sizes"] = image_sizes(item, variant)
         if self.masked:
             sample["mask"] = self.mask(item, variant)
+        if item.record.references:
+            for slot, pixels in enumerate(load_references(item, variant, self.references)):
+                sample[f"reference_pixels_{slot}"] = pixels
         return sample
 
-    def bucket_keys(self) -> list[tuple[int, int, int, bool]]:
-        """Each item's batch group, (frames, width, height, cached): a batch never mixes frame counts, sizes, or
-        cached latents with pixels. Sortable; every image has frames 1, so image datasets keep their order."""
+    def bucket_keys(self) -> list[tuple]:
+        """Each item's batch group, (frames, width, height, cached), and for an image-editing family its references'
+        sizes (`reference_sizes`: none for a sample without references): a batch never mixes frame counts, sizes,
+        cached latents with pixels, or reference counts and sizes. Sortable; every image has frames 1, so image
+        datasets keep their order."""
         cached = self.latents.covers if self.latents is not None else (lambda index: False)
-        return [(item.frames, *item.bucket, cached(i)) for i, item in enumerate(self.items)]
+        keys = [(item.frames, *item.bucket, cached(i)) for i, item in enumerate(self.items)]
+        if self.references is None:
+            return keys
+        return [(*key, reference_sizes(item, self.references)) for key, item in zip(keys, self.items)]
 
 
 def scan_datasets(cfgs: list[DatasetConfig], trigger_word: str | None, frame_step: int = 0,
@@ -582,17 +734,20 @@ def scan_datasets(cfgs: list[DatasetConfig], trigger_word: str | None, frame_ste
 
 def build_dataset(cfgs: list[DatasetConfig], trigger_word: str | None, divisor: int,
                   sizes: bool = False, frame_step: int = 0, family: str = "this model family",
-                  scanned: list[list[ImageRecord]] | None = None, seed: int = 0) -> ImageDataset:
+                  scanned: list[list[ImageRecord]] | None = None, seed: int = 0,
+                  references: ReferenceFacts | None = None) -> ImageDataset:
     """`sizes`: samples carry their `image_sizes` (families conditioned on them). `frame_step`: the family's
     (`FamilyFacts.frame_step`); above 0 (a video family) clips are samples too, see `scan_folder`. `family`: its
     title, for the warning about clips an image family leaves out. `scanned`: the folders as `scan_datasets` read
-    them already (else they are read now). `seed`: the train seed, which the flips and crops are drawn from."""
+    them already (else they are read now). `seed`: the train seed, which the flips and crops are drawn from.
+    `references`: the family's rule for reference images (`FamilyFacts.references`)."""
     if scanned is None:
         scanned = scan_datasets(cfgs, trigger_word, frame_step, family)
     items: list[TrainItem] = []
     for number, (cfg, records) in enumerate(zip(cfgs, scanned, strict=True)):
         items += items_for_dataset(records, cfg, divisor, number)
-    return ImageDataset(items, sizes, {number: SampleOptions.of(cfg) for number, cfg in enumerate(cfgs)}, seed)
+    return ImageDataset(items, sizes, {number: SampleOptions.of(cfg) for number, cfg in enumerate(cfgs)}, seed,
+                        references)
 
 
 #: the fields of a pending row (a variant without a cache entry yet) that wait in `batch["pending"]` until its
@@ -611,14 +766,28 @@ def collate(samples: list[dict]) -> dict:
     if replaced:  # files that became unreadable, and why (`ImageDataset.stand_in`)
         batch["replaced"] = replaced
     rows = [row for row, s in enumerate(samples) if "latent_key" in s]
+    references = reference_fields(samples)
     if rows:
         waiting = [samples[row] for row in rows]
         batch["pending"] = {"rows": rows, "keys": [s["latent_key"] for s in waiting],
-                            **_stacked(waiting, PENDING_FIELDS)}
+                            **_stacked(waiting, PENDING_FIELDS + references["reference_pixels"])}
     ready = [s for s in samples if "latent_key" not in s]
-    batch.update(_stacked(ready, ("pixels", "latent_mean", "latent_std", "mask")))
+    batch.update(_stacked(ready, ("pixels", "latent_mean", "latent_std", "mask", *references["reference_pixels"],
+                                  *references["reference_mean"])))
     batch.update(_stacked(samples, ("image_sizes",)))
     return batch
+
+
+def reference_fields(samples: list[dict]) -> dict[str, tuple[str, ...]]:
+    """The names of the samples' (or a batch's) reference fields, in slot order: `reference_pixels`
+    (`reference_pixels_0`, ...) and `reference_mean` (cached latents)."""
+    def numbered(stem: str) -> tuple[str, ...]:
+        count = 0
+        while any(f"{stem}_{count}" in sample for sample in samples):
+            count += 1
+        return tuple(f"{stem}_{slot}" for slot in range(count))
+
+    return {"reference_pixels": numbered("reference_pixels"), "reference_mean": numbered("reference_mean")}
 
 
 def batch_of(rows: list[torch.Tensor]) -> torch.Tensor:

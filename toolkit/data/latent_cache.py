@@ -26,6 +26,11 @@ Loss masks (`datasets[].mask_path`): an entry of a dataset with masks also holds
 [1, h, w] (area-resized, `losses.mask_to_grid`), and its key adds the mask file's digest and `mask_min_value`
 (`mask=none` for a sample without a mask file); entries of datasets without masks keep their keys.
 
+Reference images (image-editing families): an entry of a sample with references also holds each reference's latent
+(the encoder's mean: the pipelines encode references at the mode), made from the reference as the variant shows it
+(`load_references`), and its key adds each reference file's digest, its trained size and the family's sizing rule;
+entries of samples without references keep their keys.
+
 On disk: `<cache_dir>/latents/<key>.safetensors`, written under a temporary name and renamed, so a
 partly written file is never read. In memory: every process encodes every image it may be given (and each process,
 and a DataLoader worker's copy of the dataset, finds only the variants its own process made).
@@ -42,7 +47,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from toolkit.data.dataset import ImageDataset, TrainItem, Variant, centre_variant, image_sizes, load_pixels
+from toolkit.data.dataset import (
+    ImageDataset,
+    TrainItem,
+    Variant,
+    centre_variant,
+    image_sizes,
+    load_pixels,
+    load_references,
+    reference_sizes,
+)
 from toolkit.files import write_atomic
 from toolkit.run.disk import disk_error
 from toolkit.models.base import LatentDist, ModelAdapter
@@ -76,12 +90,14 @@ def variant_name(item: TrainItem, variant: Variant | None = None) -> str:
 
 
 class CachedLatent(NamedTuple):
-    """One entry: the encoder's output, the size facts of the pixels it was made from, and, in a dataset with masks,
-    the variant's loss mask on the latent grid [1, h, w]."""
+    """One entry: the encoder's output, the size facts of the pixels it was made from, in a dataset with masks the
+    variant's loss mask on the latent grid [1, h, w], and the latents of its reference images."""
 
     dist: LatentDist
     sizes: torch.Tensor
     mask: torch.Tensor | None = None
+    #: each reference's latent mean [C, h, w], in slot order (samples with references)
+    references: tuple[torch.Tensor, ...] = ()
 
 
 class LatentCache:
@@ -119,6 +135,12 @@ class LatentCache:
         if options.masked:  # datasets without masks keep their keys
             mask = item.record.mask
             fields.append("mask=none" if mask is None else f"mask={self.digest(mask)},{options.mask_min_value}")
+        if item.record.references:  # samples without references keep their keys
+            rules = self.dataset.references
+            sizes = reference_sizes(item, rules)
+            fields.append(f"references={rules.size}:" + ",".join(
+                f"{self.digest(reference.path)}@{width}x{height}"
+                for reference, (width, height) in zip(item.record.references, sizes)))
         return hashlib.sha256("|".join(fields).encode()).hexdigest()[:32]
 
     def entry_path(self, item: TrainItem, key: str) -> Path:
@@ -156,23 +178,30 @@ class LatentCache:
         for index in tqdm(todo, desc="caching latents", disable=not shown):
             item = self.dataset.items[index]
             centre = centre_variant(item)
-            self.encode(adapter, item, self.keys[index], centre, load_pixels(item, centre), self.mask_of(item, centre))
+            self.encode(adapter, item, self.keys[index], centre, load_pixels(item, centre), self.mask_of(item, centre),
+                        self.references_of(item, centre))
         accelerator.wait_for_everyone()
 
     def mask_of(self, item: TrainItem, variant: Variant) -> torch.Tensor | None:
         """The variant's mask in pixels for its entry; None for a dataset without masks."""
         return self.dataset.mask(item, variant) if self.dataset.options_for(item.dataset).masked else None
 
+    def references_of(self, item: TrainItem, variant: Variant) -> list[torch.Tensor]:
+        """The variant's reference images in pixels, for its entry (none for a sample without references)."""
+        return load_references(item, variant, self.dataset.references) if item.record.references else []
+
     def encode(self, adapter: ModelAdapter, item: TrainItem, key: str, variant: Variant, pixels: torch.Tensor,
-               mask: torch.Tensor | None) -> CachedLatent:
+               mask: torch.Tensor | None, references: list[torch.Tensor] = ()) -> CachedLatent:
         """Encode one variant's pixels ([3, H, W] or a clip's [3, F, H, W]) alone and store the entry under `key`;
-        `mask`, its loss mask in pixels [1, H, W], is stored on the latent grid."""
+        `mask`, its loss mask in pixels [1, H, W], is stored on the latent grid; `references` (pixels [3, h, w] each)
+        are encoded one by one, their means kept."""
         with torch.no_grad():
             dist = adapter.encode_latent_dist(pixels.unsqueeze(0))
+            means = tuple(adapter.encode_latent_dist(reference.unsqueeze(0)).mean[0].cpu() for reference in references)
         mean = dist.mean[0].cpu()
         grid_mask = None if mask is None else mask_to_grid(mask, mean.shape[-2:]).cpu()
         entry = CachedLatent(LatentDist(mean, None if dist.std is None else dist.std[0].cpu()),
-                             image_sizes(item, variant), grid_mask)
+                             image_sizes(item, variant), grid_mask, means)
         if not self.to_disk[item.dataset]:
             self.memory[key] = entry
         elif not self.unwritable:
@@ -194,6 +223,8 @@ class LatentCache:
             tensors["std"] = entry.dist.std.contiguous()
         if entry.mask is not None:
             tensors["mask"] = entry.mask.contiguous()
+        for slot, reference in enumerate(entry.references):
+            tensors[f"reference_{slot}"] = reference.contiguous()
         write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
     def get(self, index: int, variant: Variant | None = None) -> CachedLatent | None:
@@ -239,7 +270,12 @@ class LatentCache:
             # counted it from the unmirrored ones
             tensors["image_sizes"] = image_sizes(item, variant)
         dist = LatentDist(tensors["mean"], tensors.get("std"))
-        return CachedLatent(dist, tensors["image_sizes"], tensors.get("mask"))
+        slots = [f"reference_{slot}" for slot in range(len(item.record.references))]
+        if any(slot not in tensors for slot in slots):
+            self.damaged.setdefault(str(path), f"{item.record.path}: the entry lacks its reference latents")
+            return None
+        references = tuple(tensors[slot] for slot in slots)
+        return CachedLatent(dist, tensors["image_sizes"], tensors.get("mask"), references)
 
     def sample_fields(self, entry: CachedLatent) -> dict[str, torch.Tensor]:
         """What a cached sample carries: the latent distribution, its size facts (families conditioned on them) and,
@@ -251,6 +287,8 @@ class LatentCache:
             fields["image_sizes"] = entry.sizes
         if self.dataset.masked:
             fields["mask"] = entry.mask if entry.mask is not None else self.no_mask(tuple(entry.dist.mean.shape[-2:]))
+        for slot, reference in enumerate(entry.references):
+            fields[f"reference_mean_{slot}"] = reference
         return fields
 
     def no_mask(self, grid: tuple[int, int]) -> torch.Tensor:
@@ -272,7 +310,9 @@ class LatentCache:
             entry = self.entry(item, key, variant)
             if entry is None:
                 mask = pending["mask"][position] if self.dataset.options_for(item.dataset).masked else None
-                entry = self.encode(adapter, item, key, variant, pending["pixels"][position], mask)
+                references = [pending[f"reference_pixels_{slot}"][position]
+                              for slot in range(len(item.record.references))]
+                entry = self.encode(adapter, item, key, variant, pending["pixels"][position], mask, references)
             made[row] = self.sample_fields(entry)
         device = pending["pixels"].device
         ready = [row for row in range(len(batch["indices"])) if row not in made]

@@ -44,7 +44,8 @@ class TrainingData:
         self.dataset: ImageDataset = build_dataset(datasets, trigger_word, adapter.divisor,
                                                    sizes=adapter.facts.size_conditioning,
                                                    frame_step=adapter.facts.frame_step, family=adapter.facts.title,
-                                                   scanned=scanned, seed=train.seed)
+                                                   scanned=scanned, seed=train.seed,
+                                                   references=adapter.facts.references)
         budget = round(train.runtime.decoded_images_gib * 2**30)
         self.dataset.decoded = DecodedImages(budget) if budget > 0 else None
         self.batch_sampler = self.make_batch_sampler()

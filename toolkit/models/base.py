@@ -238,6 +238,15 @@ class SamplingParts(ABC):
         guidance scale under the name the family's pipeline takes (a family with true CFG maps it otherwise)."""
         return {**text, "guidance_scale": guidance}
 
+    def size_arguments(self, width: int, height: int) -> dict[str, Any]:
+        """The pipeline arguments that make a sample `width` x `height`."""
+        return {"width": width, "height": height}
+
+    def reference_arguments(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """The pipeline arguments that give a sample its reference images (PIL images, in slot order) for a sample of
+        `width` x `height`: image-editing families only (facts `references`)."""
+        raise NotImplementedError(f"{self.adapter.arch} samples take no reference images")
+
     def negative_prompt(self, negative: str) -> str:
         """The negative prompt samples render with for `sample.neg` (what the PNG records)."""
         return negative
@@ -304,6 +313,13 @@ class ModelAdapter(ABC):
     def encode_images(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return self.latents_from_dist(self.encode_latent_dist(pixels), generator)
 
+    def reference_latents(self, mean: torch.Tensor) -> torch.Tensor:
+        """A reference image's latents from the encoder's mean (`encode_latent_dist(pixels).mean`, or a cached one),
+        scaled as the denoiser takes them: the editing pipelines encode references at the mode, drawing nothing, and
+        scale them in the encoder's dtype (so does this, where the family's `latents_from_dist` keeps a mean without
+        a std in its dtype)."""
+        return self.latents_from_dist(LatentDist(mean, None))
+
     @abstractmethod
     def image_encoder_modules(self) -> list[torch.nn.Module]:
         """Modules that turn images into latents; they may leave the accelerator once latents are cached."""
@@ -321,13 +337,16 @@ class ModelAdapter(ABC):
     @abstractmethod
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The denoiser's output; through `module` when given (e.g. the bare module, adapters disabled),
         else through the module set by `use_for_training`. `expert`: where the family routes between experts, the
         one the timesteps belong to (training passes the update's, see `expert_at`; without it the family routes by
         the timesteps); the other families ignore it. `image_sizes` ([B, 6] integers: original height and
         width, crop top and left, target height and width, as `toolkit.data.dataset.image_sizes` gives them) is
-        for families conditioned on them (SDXL); the others ignore it."""
+        for families conditioned on them (SDXL); the others ignore it. `references`: image-editing families (facts
+        `references`), each reference image's latents ([B, C, h, w], as `reference_latents` makes them), in slot order,
+        given to the denoiser beside the noisy target; the output is the target's alone (no loss on references)."""
 
     @abstractmethod
     def trainable_module(self) -> torch.nn.Module:

@@ -36,10 +36,14 @@ def vae_latent_dist(vae, pixels: torch.Tensor) -> LatentDist:
 def vae_latents(dist: LatentDist, generator: torch.Generator | None, scaling: float, shift: float = 0.0
                 ) -> torch.Tensor:
     """A posterior sample as the denoiser sees it, (sample - shift) x scaling, float32. The noise is drawn on
-    a CPU generator, so it does not depend on the device."""
-    mean, std = as_dtype(dist.mean, torch.float32), as_dtype(dist.std, torch.float32)
-    eps = to_device(torch.randn(mean.shape, generator=generator, dtype=torch.float32), mean.device)
-    sample = torch.addcmul(mean, std, eps)  # mean + std x eps
+    a CPU generator, so it does not depend on the device. Without a std, the mean itself (the mode: nothing drawn),
+    computed in the mean's dtype as the editing pipelines compute their reference latents."""
+    if dist.std is None:
+        sample = dist.mean
+    else:
+        mean = as_dtype(dist.mean, torch.float32)
+        eps = to_device(torch.randn(mean.shape, generator=generator, dtype=torch.float32), mean.device)
+        sample = torch.addcmul(mean, as_dtype(dist.std, torch.float32), eps)  # mean + std x eps
     if isinstance(shift, torch.Tensor) or shift != 0.0:
         sample = sample - shift
     return sample * scaling

@@ -12,6 +12,25 @@ from toolkit.config.base import QType, Section, aka
 
 
 @dataclass(frozen=True)
+class ReferenceFacts:
+    """How a family takes reference images (image-editing models: the source image of an edit, or several): paired
+    with each target by base name (`datasets[].control_path`), encoded by the family's VAE and given to the denoiser
+    beside the noisy target."""
+
+    #: the most references one sample takes (one folder each in `datasets[].control_path`)
+    slots: int = 1
+    #: the family trains without a reference too (`datasets[].control_optional`: a sample without one trains as a
+    #: plain text-to-image sample)
+    optional: bool = True
+    #: how a reference is sized: `target` (resized to cover the target's bucket and cropped with it, as FLUX.1
+    #: Kontext trains) or `budget` (the target's pixel area kept, its own aspect ratio kept, sides rounded to
+    #: `multiple`, as the Qwen-Image-Edit pipelines size them)
+    size: Literal["target", "budget"] = "target"
+    #: the multiple a `budget` reference's sides are rounded to
+    multiple: int = 16
+
+
+@dataclass(frozen=True)
 class FamilyFacts:
     """What a family can do, known before any weight loads (config-time checks read these)."""
 
@@ -39,6 +58,9 @@ class FamilyFacts:
     #: a video family: training clips and samples have `frame_step` x k + 1 frames (the VAE's temporal
     #: compression; Wan: 4, so 1, 5, 9, ... 81); 0 for image-only families (clips and `num_frames` refused)
     frame_step: int = 0
+    #: an image-editing family: samples are conditioned on reference images too (`datasets[].control_path`); None
+    #: for the rest (the key is refused)
+    references: ReferenceFacts | None = None
 
     @property
     def video(self) -> bool:

@@ -23,6 +23,8 @@ class Family:
 
 FAMILIES: dict[str, Family] = {family.arch: family for family in (
     Family("flux", "toolkit.models.flux.config:FluxModelConfig", "toolkit.models.flux.adapter:FluxAdapter"),
+    Family("flux_kontext", "toolkit.models.flux_kontext.config:FluxKontextModelConfig",
+           "toolkit.models.flux_kontext.adapter:FluxKontextAdapter"),
     Family("qwen_image", "toolkit.models.qwen_image.config:QwenImageModelConfig",
            "toolkit.models.qwen_image.adapter:QwenImageAdapter"),
     Family("sd15", "toolkit.models.sd15.config:SD15ModelConfig", "toolkit.models.sd15.adapter:SD15Adapter"),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.config.sections import ObjectiveSection
+from toolkit.data.dataset import reference_fields
 from toolkit.device import to_device
 from toolkit.diffusion.noise import noise_offset
 from toolkit.diffusion.snr import min_snr_weights
@@ -89,7 +90,8 @@ class DiffusionObjective:
         with_blank = self.blank_prompt_due(at.update_index)
         sizes = batch.get("image_sizes")
         expert = self.adapter.expert_at(at.update_index)
-        prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank, sizes, expert)
+        references = self.batch_references(batch)
+        prediction, blank_prediction = self.predict(noisy, timesteps, embeds, with_blank, sizes, expert, references)
         target = schedule.target(latents, noise, timesteps)
         if cfg.differential_guidance_scale is not None:
             anchor = prediction.detach()
@@ -106,7 +108,7 @@ class DiffusionObjective:
             loss = weighted_mean(per_sample, sampler_weight, snr_weight)
         parts = {"loss_diff_guidance" if cfg.differential_guidance_scale else "loss_main": loss.detach()}
         if with_blank:
-            bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction, sizes, expert)
+            bpp = self.blank_prompt_loss(noisy, timesteps, blank_prediction, sizes, expert, references)
             loss = loss + cfg.blank_prompt_preservation_multiplier * bpp
             parts["loss_bpp"] = bpp.detach()
         return LossResult(loss, parts, u, per_sample)
@@ -149,18 +151,32 @@ class DiffusionObjective:
         return draw.item() < self.cfg.blank_prompt_probability
 
     def predict(self, noisy, timesteps, embeds: PromptEmbeds, with_blank: bool, sizes: torch.Tensor | None,
-                expert: Expert | None = None):
+                expert: Expert | None = None, references: list[torch.Tensor] | None = None):
         """The LoRA model's prediction; with the blank prompt too, in the same forward pass (one pass keeps
-        multi-process gradient sync simple and is faster than two)."""
+        multi-process gradient sync simple and is faster than two), each sample's references given to both."""
         if not with_blank:
-            return self.adapter.predict(noisy, timesteps, embeds, image_sizes=sizes, expert=expert), None
+            return self.adapter.predict(noisy, timesteps, embeds, image_sizes=sizes, expert=expert,
+                                        references=references), None
         both = self.adapter.predict(torch.cat([noisy, noisy]), torch.cat([timesteps, timesteps]),
                                     concat_embeds(embeds, self.blank_embeds, len(noisy)),
-                                    image_sizes=None if sizes is None else torch.cat([sizes, sizes]), expert=expert)
+                                    image_sizes=None if sizes is None else torch.cat([sizes, sizes]), expert=expert,
+                                    references=None if references is None else [torch.cat([r, r]) for r in references])
         return both[: len(noisy)], both[len(noisy):]
 
+    def batch_references(self, batch: dict) -> list[torch.Tensor] | None:
+        """The batch's reference latents in slot order (image-editing families): from the cached means, or encoded
+        now from the batch's reference pixels; None for a batch without references."""
+        fields = reference_fields([batch])
+        if fields["reference_mean"]:
+            return [self.adapter.reference_latents(batch[field]) for field in fields["reference_mean"]]
+        if not fields["reference_pixels"]:
+            return None
+        with torch.no_grad():
+            return [self.adapter.reference_latents(self.adapter.encode_latent_dist(batch[field]).mean)
+                    for field in fields["reference_pixels"]]
+
     def blank_prompt_loss(self, noisy, timesteps, blank_prediction, sizes: torch.Tensor | None,
-                          expert: Expert | None = None) -> torch.Tensor:
+                          expert: Expert | None = None, references: list[torch.Tensor] | None = None) -> torch.Tensor:
         """MSE between the LoRA model's and the base model's predictions for the blank prompt. The base pass is the
         base model's own prediction: adapters off, no dropout (eval mode), and it draws nothing from the global
         RNG streams training uses (they are forked around it)."""
@@ -172,7 +188,8 @@ class DiffusionObjective:
             module.disable_adapters()
             module.eval()
             try:
-                base = self.adapter.predict(noisy, timesteps, blank, module=module, image_sizes=sizes, expert=expert)
+                base = self.adapter.predict(noisy, timesteps, blank, module=module, image_sizes=sizes, expert=expert,
+                                            references=references)
             finally:
                 module.train(was_training)
                 module.enable_adapters()

@@ -30,10 +30,13 @@ from toolkit.data.dataset import (
     items_for_dataset,
     load_mask,
     load_pixels,
+    load_references,
+    reference_sizes,
     scan_folder,
 )
 from toolkit.device import to_device
 from toolkit.models.base import ModelAdapter, PromptEmbeds
+from toolkit.models.config import ReferenceFacts
 from toolkit.train.losses import mask_weights, per_sample_loss
 from toolkit.train.seeding import seeded_generator
 
@@ -92,14 +95,15 @@ def read_held_out(cfg: ValidationConfig, datasets: list[DatasetConfig], scanned:
     if cfg.split is not None:
         kept, held = split_held_out(scanned, datasets, cfg.split, seed)
         return kept, HeldOut(list(zip(datasets, held)))
-    folder_cfg = datasets[0].model_copy(update={"folder_path": cfg.folder_path, "is_reg": False, "mask_path": None})
+    folder_cfg = datasets[0].model_copy(update={"folder_path": cfg.folder_path, "is_reg": False, "mask_path": None,
+                                                "control_path": cfg.control_path})
     return scanned, HeldOut([(folder_cfg, scan_folder(folder_cfg, trigger_word, frame_step, family))])
 
 
 @dataclass
 class HeldOutBatch:
-    """One fixed batch: which rows of the loss table it fills, its latents, conditioning, size facts and loss mask
-    weights (a split's samples from a dataset with `mask_path`)."""
+    """One fixed batch: which rows of the loss table it fills, its latents, conditioning, size facts, loss mask
+    weights (a split's samples from a dataset with `mask_path`) and reference latents (image-editing families)."""
 
     number: int
     rows: list[int]
@@ -108,6 +112,7 @@ class HeldOutBatch:
     embeds: PromptEmbeds | None
     sizes: torch.Tensor | None
     mask: torch.Tensor | None
+    references: list[torch.Tensor] | None = None
 
 
 class Validation:
@@ -116,23 +121,28 @@ class Validation:
     of the current weights (call it with the trained modules in eval mode: `in_eval_mode`)."""
 
     def __init__(self, cfg: ValidationConfig, items: list[TrainItem], objective: ObjectiveSection, seed: int,
-                 adapter: ModelAdapter, sizes: bool, mask_min_values: list[float] | None = None):
-        """`mask_min_values`: per source (an item's `dataset`), its `mask_min_value`."""
+                 adapter: ModelAdapter, sizes: bool, mask_min_values: list[float] | None = None,
+                 references: ReferenceFacts | None = None):
+        """`mask_min_values`: per source (an item's `dataset`), its `mask_min_value`; `references`: the family's rule
+        for reference images."""
         if not items:
             raise DatasetError("validation: no held-out samples")
         self.cfg, self.items, self.objective, self.seed, self.adapter, self.sizes = (
             cfg, items, objective, seed, adapter, sizes)
         self.mask_min_values = mask_min_values or [0.0] * (1 + max(item.dataset for item in items))
+        self.references = references
         self.levels = [u for u in noise_levels(cfg.timesteps) if adapter.trains_noise_level(u)]
         if not self.levels:
             raise DatasetError("validation.timesteps: none of its noise levels is one the LoRA trains")
         self.batches: list[HeldOutBatch] = []
 
     def batch_rows(self) -> list[list[int]]:
-        """The item indices of each fixed batch: grouped by size (frames, width, height), then in order."""
+        """The item indices of each fixed batch: grouped by size (frames, width, height, and the references' sizes),
+        then in order."""
         groups: dict[tuple, list[int]] = {}
         for index, item in enumerate(self.items):
-            groups.setdefault((item.frames, *item.bucket), []).append(index)
+            references = reference_sizes(item, self.references) if self.references is not None else ()
+            groups.setdefault((item.frames, *item.bucket, references), []).append(index)
         size = self.cfg.batch_size
         return [rows[i:i + size] for key in sorted(groups) for rows in [groups[key]] for i in range(0, len(rows), size)]
 
@@ -156,7 +166,12 @@ class Validation:
             if any(item.record.mask is not None for item in items):
                 masks = torch.stack([load_mask(item, None, self.mask_min_values[item.dataset]) for item in items])
                 mask = mask_weights(masks, latents)
-            self.batches.append(HeldOutBatch(number, rows, latents, captions, None, sizes, mask))
+            references = None
+            if items[0].record.references:
+                slots = zip(*(load_references(item, None, self.references) for item in items))
+                references = [adapter.reference_latents(adapter.encode_latent_dist(torch.stack(pixels)).mean)
+                              .to(adapter.device) for pixels in slots]
+            self.batches.append(HeldOutBatch(number, rows, latents, captions, None, sizes, mask, references))
         log.info("validation: %d held-out samples in %d batches, %d noise levels; this process evaluates %d batches",
                  len(self.items), len(self.batch_rows()), len(self.levels), len(self.batches))
 
@@ -186,7 +201,7 @@ class Validation:
                 timesteps = to_device(schedule.timesteps(torch.full((len(batch.rows),), u)), latents.device)
                 noisy = schedule.add_noise(latents, noise, timesteps)
                 prediction = adapter.predict(noisy, timesteps, embeds[batch.number], module=module,
-                                             image_sizes=batch.sizes)
+                                             image_sizes=batch.sizes, references=batch.references)
                 target = schedule.target(latents, noise, timesteps)
                 loss = per_sample_loss(prediction, target, self.objective.loss_type, self.objective.huber_c,
                                        batch.mask)

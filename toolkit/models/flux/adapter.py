@@ -22,6 +22,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -154,6 +155,10 @@ class FluxAdapter(ModelAdapter):
     text_rules = FluxText
     sampling_parts = FluxSampling
     sharded_blocks = ("transformer_blocks", "single_transformer_blocks")
+    #: `name_or_path` values that build a tiny random model offline
+    tiny_sources: ClassVar[dict[str, Callable[[], Path]]] = TINY_SOURCES
+    #: a single-file transformer's other parts, by whether it has guidance-embedding weights
+    default_components: ClassVar[dict[bool, str]] = DEFAULT_COMPONENTS
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler, source: str,
                  max_sequence_length: int | None = None):
@@ -197,7 +202,7 @@ class FluxAdapter(ModelAdapter):
         with memory_debug("model load", debug_memory):
             if is_single_file(source):
                 components = cls.resolve_source(
-                    model_cfg.single_file_config or DEFAULT_COMPONENTS[has_guidance_weights(source)],
+                    model_cfg.single_file_config or cls.default_components[has_guidance_weights(source)],
                     "model.single_file_config")
                 transformer = cls.transformer_from_single_file(source, dtype, components)
                 parts = cls.load_components(components, dtype, None, None)
@@ -216,11 +221,12 @@ class FluxAdapter(ModelAdapter):
         adapter.quantize_and_place(model_cfg, device, debug_memory)
         return adapter
 
-    @staticmethod
-    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
+    @classmethod
+    def resolve_source(cls, name_or_path: str, key: str = "model.name_or_path") -> str:
         """A folder, hub id or file; `tiny` / `tiny-schnell` become the tiny presets' folders."""
         name_or_path = normalize_path(name_or_path, key)
-        return str(TINY_SOURCES[name_or_path]()) if name_or_path in TINY_SOURCES else name_or_path
+        tiny = cls.tiny_sources
+        return str(tiny[name_or_path]()) if name_or_path in tiny else name_or_path
 
     @staticmethod
     def transformer_from_single_file(path: str, dtype: torch.dtype, config_source: str) -> FluxTransformer2DModel:
@@ -310,14 +316,21 @@ class FluxAdapter(ModelAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32: packed, with FluxPipeline's
-        position ids, sigma as the timestep, and the training guidance into [dev]'s guidance embedding."""
+        position ids, sigma as the timestep, and the training guidance into [dev]'s guidance embedding. Reference
+        latents (FLUX.1 Kontext) follow the target's tokens (`reference_tokens`); the output is the target's tokens
+        alone."""
         denoiser = module if module is not None else self._denoiser
         dtype, device = self.compute_dtype, noisy.device
         batch, channels, height, width = noisy.shape
         packed = FluxPipeline._pack_latents(noisy.to(dtype), batch, channels, height, width)
         image_ids = self.image_ids(height, width, device, dtype)
+        target_tokens = packed.shape[1]
+        if references:
+            tokens, ids = self.reference_tokens(references, dtype, device)
+            packed, image_ids = torch.cat([packed, tokens], dim=1), torch.cat([image_ids, ids])
         text_ids = torch.zeros(embeds.embeds.shape[1], 3, device=device, dtype=dtype)
         guidance = None  # [schnell], or the embedding bypassed: the transformer embeds timestep and text alone
         if self.guidance_embeds and not self.bypass_guidance:
@@ -326,15 +339,24 @@ class FluxAdapter(ModelAdapter):
         out = denoiser(hidden_states=packed, timestep=sigma.to(device, dtype), guidance=guidance,
                        pooled_projections=embeds.pooled.to(dtype), encoder_hidden_states=embeds.embeds.to(dtype),
                        txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
-        return FluxPipeline._unpack_latents(out, height * self.vae_scale, width * self.vae_scale,
+        return FluxPipeline._unpack_latents(out[:, :target_tokens], height * self.vae_scale, width * self.vae_scale,
                                             self.vae_scale).float()
 
-    def image_ids(self, height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """FluxPipeline's image position ids for latents of this size, sent to the device once per bucket (a copy
-        from the host every step would make it wait for the device)."""
-        key = (height, width, device, dtype)
+    def reference_tokens(self, references: list[torch.Tensor], dtype: torch.dtype,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference latents as tokens after the target's, and their position ids: FLUX.1 takes none (its config
+        refuses reference folders); FLUX.1 Kontext overrides this."""
+        raise ValueError(f"{self.arch} takes no reference images")
+
+    def image_ids(self, height: int, width: int, device: torch.device, dtype: torch.dtype,
+                  first: int = 0) -> torch.Tensor:
+        """FluxPipeline's image position ids for latents of this size (the first coordinate `first`: 0 for the target,
+        1 for FLUX.1 Kontext's references), sent to the device once per bucket (a copy from the host every step would
+        make it wait for the device)."""
+        key = (height, width, device, dtype, first)
         if key not in self._image_ids:
             ids = FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, "cpu", dtype)
+            ids[..., 0] = first
             self._image_ids[key] = to_device(ids, device)
         return self._image_ids[key]
 

@@ -62,10 +62,10 @@ def _seeded(seed: int, build):
         return build()
 
 
-def build_flux(folder: Path, preset: dict) -> None:
-    """A random FLUX.1 pipeline folder with the preset's sizes, created on the current default device and dtype
-    (benchmarks/full_size.py builds the full-size one on the GPU)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def flux_parts(preset: dict) -> dict:
+    """The parts of a random FLUX.1-layout pipeline with the preset's sizes, created on the current default device and
+    dtype, by their pipeline argument names."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     tokenizer = byte_level_clip_tokenizer(preset["text_encoder"]["max_position_embeddings"])
@@ -79,10 +79,17 @@ def build_flux(folder: Path, preset: dict) -> None:
         decoder_start_token_id=tokenizer_2.pad_token_id, **preset["text_encoder_2"])))
     vae = _seeded(seed + 2, lambda: AutoencoderKL(**preset["vae"]))
     transformer = _seeded(seed + 3, lambda: FluxTransformer2DModel(**preset["transformer"]))
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**preset["scheduler"]), vae=vae,
-                        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
-                        tokenizer_2=tokenizer_2, transformer=transformer)
-    pipe.save_pretrained(folder, safe_serialization=True)
+    return {"scheduler": FlowMatchEulerDiscreteScheduler(**preset["scheduler"]), "vae": vae,
+            "text_encoder": text_encoder, "tokenizer": tokenizer, "text_encoder_2": text_encoder_2,
+            "tokenizer_2": tokenizer_2, "transformer": transformer}
+
+
+def build_flux(folder: Path, preset: dict) -> None:
+    """A random FLUX.1 pipeline folder with the preset's sizes, created on the current default device and dtype
+    (benchmarks/full_size.py builds the full-size one on the GPU)."""
+    from diffusers import FluxPipeline
+
+    FluxPipeline(**flux_parts(preset)).save_pretrained(folder, safe_serialization=True)
 
 
 def ensure_tiny_flux(preset: dict = TINY_FLUX_DEV) -> Path:

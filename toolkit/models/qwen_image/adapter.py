@@ -314,7 +314,8 @@ class QwenImageAdapter(ModelAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32: packed as the pipeline packs,
         sigma as the timestep, the prompt mask where a prompt is padded."""
         denoiser = module if module is not None else self._denoiser

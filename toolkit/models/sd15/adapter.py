@@ -116,7 +116,8 @@ class SD15Adapter(StableDiffusionAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         unet_dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         return denoiser(as_dtype(noisy, unet_dtype), timesteps,

@@ -192,7 +192,8 @@ class SDXLAdapter(StableDiffusionAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         sizes = image_sizes if image_sizes is not None else self.default_image_sizes(noisy)

@@ -450,7 +450,8 @@ class WanAdapter(ModelAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, F, H, W] batch, float32: the raw timestep (per token
         with `expand_timesteps`), the prompts zero-padded to 512 tokens."""
         denoiser = module if module is not None else self._denoiser

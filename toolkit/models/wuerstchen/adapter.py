@@ -207,7 +207,8 @@ class WuerstchenAdapter(ModelAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         dtype = self.compute_dtype
         denoiser = module if module is not None else self._denoiser
         ratio = timesteps.to(device=noisy.device, dtype=dtype)

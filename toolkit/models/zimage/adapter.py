@@ -337,7 +337,8 @@ class ZImageAdapter(ModelAdapter):
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: PromptEmbeds,
                 module: torch.nn.Module | None = None, image_sizes: torch.Tensor | None = None,
-                expert: Expert | None = None) -> torch.Tensor:
+                expert: Expert | None = None,
+                references: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32 like the pipeline's."""
         denoiser = module if module is not None else self._denoiser
         dtype = self.compute_dtype

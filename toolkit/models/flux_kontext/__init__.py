@@ -1,0 +1,1 @@
+"""FLUX.1 Kontext: image editing on the FLUX.1 transformer (`arch: flux_kontext`)."""
