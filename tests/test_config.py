@@ -203,7 +203,7 @@ def test_unknown_and_missing_arch_name_the_known_families(tmp_path, registry):
     process = trainer_process(tmp_path)
     process["model"] = {"name_or_path": "tiny"}
     path = write_job(tmp_path / "job2.yaml", "y", process)
-    with pytest.raises(ConfigError, match=r"model.arch: required key is missing \(one of: flux, qwen_image, sd15, sdxl, wan, wuerstchen, zimage\)"):
+    with pytest.raises(ConfigError, match=r"model.arch: required key is missing \(one of: flux, flux_kontext, qwen_image, sd15, sdxl, wan, wuerstchen, zimage\)"):
         load_config(str(path), registry)
 
 
