@@ -383,7 +383,7 @@ def reference_window(item: TrainItem, reference: Reference, variant: Variant | N
     plan = crop_plan(width, height, item.bucket)
     variant = variant or centre_variant(item)
     x0, y0 = variant.left / plan.resized[0], variant.top / plan.resized[1]
-    x1, y1 = x0 + item.bucket[0] / plan.resized[0], y0 + item.bucket[1] / plan.resized[1]
+    x1, y1 = min(1.0, x0 + item.bucket[0] / plan.resized[0]), min(1.0, y0 + item.bucket[1] / plan.resized[1])
     return x0 * reference.width, y0 * reference.height, x1 * reference.width, y1 * reference.height
 
 
