@@ -36,6 +36,24 @@ def reference_folder_problems(key: str, folders: list[str]) -> list[tuple[str, s
     return [(f"{at}: folder not found: {folder}", folder) for at, folder in named if not Path(folder).is_dir()]
 
 
+def sample_reference_problems(key: str, files: list[str]) -> list[tuple[str, str]]:
+    """(message, file) for each sample reference image that is not there or does not open as an image."""
+    from PIL import Image
+
+    problems = []
+    for slot, file in enumerate(files):
+        at = f"{key}[{slot}]"
+        if not Path(file).is_file():
+            problems.append((f"{at}: file not found: {file}", file))
+            continue
+        try:
+            with Image.open(file) as image:
+                image.verify()
+        except Exception as err:  # PIL raises many types for files it cannot read
+            problems.append((f"{at}: not a readable image: {file} ({err})", file))
+    return problems
+
+
 def _path_problems(process: BaseModel) -> list[tuple[str, str]]:
     """(message, the path it names) for each path problem."""
     problems: list[tuple[str | None, str]] = []
@@ -51,6 +69,9 @@ def _path_problems(process: BaseModel) -> list[tuple[str, str]]:
         if dataset.mask_path is not None and not Path(dataset.mask_path).expanduser().is_dir():
             problems.append((f"datasets[{index}].mask_path: folder not found: {dataset.mask_path}", dataset.mask_path))
         problems += reference_folder_problems(f"datasets[{index}].control_path", dataset.reference_folders)
+    sample = getattr(process, "sample", None)
+    for index, references in enumerate(getattr(sample, "references", None) or []):
+        problems += sample_reference_problems(f"sample.prompts[{index}].references", references)
     validation = getattr(process, "validation", None)
     held_out = getattr(validation, "folder_path", None)
     if held_out:

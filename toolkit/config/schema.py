@@ -135,6 +135,13 @@ class SDTrainerConfig(Section):
             if getattr(source, "control_optional", False) and rules is not None and not rules.optional:
                 problems.append((f"{at}.control_optional", f"{facts.title} cannot train without a reference image; "
                                  "remove it, and give every target its reference"))
+        for index, references in enumerate(self.sample.references):
+            if references and rules is None:
+                problems.append((f"sample.prompts[{index}].references", f"{facts.title} samples take no reference "
+                                 "images; give the prompt as a plain string"))
+            elif rules is not None and len(references) > rules.slots:
+                problems.append((f"sample.prompts[{index}].references", f"{facts.title} takes at most {rules.slots} "
+                                 f"reference image(s) per sample, not {len(references)}"))
         validation = self.validation
         paired = [d for d in self.datasets if d.control_path is not None and not d.control_optional]
         if (rules is not None and validation is not None and validation.folder_path is not None

@@ -579,13 +579,29 @@ class ValidationConfig(Section):
         return None if value is None else os.path.expandvars(os.path.expanduser(value.strip()))
 
 
+class SamplePrompt(Section):
+    """A sample prompt with its reference images (image-editing families)."""
+
+    prompt: str = Field(..., description="The prompt (the edit instruction); `[trigger]` is replaced by the trigger "
+                        "word.", json_schema_extra=aka("text"))
+    references: list[str] = Field(..., min_length=1, description="Reference image files, in slot order (as many as "
+                                  "the family takes per sample).", json_schema_extra=aka("ctrl_img", "control_image"))
+
+    @field_validator("references")
+    @classmethod
+    def _expanded(cls, value: list[str]) -> list[str]:
+        return [expanded_path(v) for v in value]
+
+
 class SampleConfig(Section):
     """Sample images rendered during training."""
 
     sample_every: int = Field(0, ge=0, description="Render samples every N steps; 0 = only at the end "
                               "(when prompts are given).", json_schema_extra=aka("sample_every_n_steps"))
-    prompts: list[str] = Field([], description="Prompts; `[trigger]` is replaced by the trigger word.",
-                               json_schema_extra=aka("sample_prompts"))
+    prompts: list[str | SamplePrompt] = Field(
+        [], description="Prompts; `[trigger]` is replaced by the trigger word. Image-editing families: an entry may be "
+        "`{prompt: ..., references: [image files]}`, rendered from those reference images (shown beside the output "
+        "in the report and dashboard).", json_schema_extra=aka("sample_prompts"))
     neg: str = Field("", description="Negative prompt (families with classifier-free guidance; refused for flux).", json_schema_extra=aka("negative_prompt"))
     seed: int = Field(42, description="Seed of the first prompt.")
     walk_seed: bool = Field(True, description="Prompt i uses seed + i (otherwise every prompt uses `seed`).")
@@ -611,6 +627,16 @@ class SampleConfig(Section):
                                            "conditional one's spread (0.7 is usual with v-prediction and zero "
                                            "terminal SNR); families whose pipeline takes it (sd15, sdxl).",
                                            json_schema_extra=aka("cfg_rescale"))
+
+    @property
+    def texts(self) -> list[str]:
+        """Each prompt's text."""
+        return [p if isinstance(p, str) else p.prompt for p in self.prompts]
+
+    @property
+    def references(self) -> list[list[str]]:
+        """Each prompt's reference image files (none for a plain prompt)."""
+        return [[] if isinstance(p, str) else list(p.references) for p in self.prompts]
 
 
 class LoggingConfig(Section):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps
 from PIL.PngImagePlugin import PngInfo
 from tqdm.auto import tqdm
 
@@ -31,7 +32,9 @@ class SampleRenderer:
         self.cfg = cfg
         self.folder = folder
         self.model_name = model_name
-        self.prompts = [apply_trigger(p, trigger_word, is_reg=False) if "[trigger]" in p else p for p in cfg.prompts]
+        self.prompts = [apply_trigger(p, trigger_word, is_reg=False) if "[trigger]" in p else p for p in cfg.texts]
+        #: each prompt's reference image files (image-editing families), in slot order
+        self.references = cfg.references
 
     @property
     def enabled(self) -> bool:
@@ -47,15 +50,17 @@ class SampleRenderer:
         return adapter.sampling.default_steps if self.cfg.sample_steps is None else self.cfg.sample_steps
 
     def reproduction(self, pipe, prompt: str, seed: int, guidance: dict, step: int, steps: int,
-                     extras: dict | None = None) -> dict:
+                     extras: dict | None = None, references: list[str] = ()) -> dict:
         """What a sample's PNG text records: enough to render it again in diffusers (docs/networks.md): the
         pipeline and scheduler (class and config), steps, the guidance arguments (as the family's pipeline names
         them), size, the CPU generator's seed, the LoRA at scale 1 (the run's <name>.safetensors, or the checkpoint
-        of `step`), and the family's `extras` (pipeline arguments such as FLUX.1's `max_sequence_length`)."""
+        of `step`), the reference image files (a JSON list) where the prompt has them, and the family's `extras`
+        (pipeline arguments such as FLUX.1's `max_sequence_length`)."""
         return {"prompt": prompt, "negative_prompt": self.cfg.neg, "seed": seed, "step": step,
                 "model": self.model_name, "pipeline": type(getattr(pipe, "pipe", pipe)).__name__,
                 "scheduler": type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else "",
                 "scheduler_config": json.dumps(dict(pipe.scheduler.config)) if hasattr(pipe, "scheduler") else "",
+                **({"references": json.dumps(references)} if references else {}),
                 "num_inference_steps": steps, **guidance, "width": self.cfg.width,
                 "height": self.cfg.height, "generator": "torch.Generator('cpu').manual_seed(seed)", "lora_scale": 1.0,
                 **self.rescale(), **(extras or {})}
@@ -87,6 +92,17 @@ class SampleRenderer:
         pixels = (np.asarray(frames, dtype=np.float32) * 255).round().clip(0, 255).astype(np.uint8)
         return write_video(stem, pixels, fps, record)
 
+    def reference_arguments(self, adapter: ModelAdapter, references: list[str]) -> dict:
+        """The pipeline arguments that give a sample its reference images (none for a plain prompt): each file read
+        upright, in RGB."""
+        if not references:
+            return {}
+        images = []
+        for file in references:
+            with Image.open(file) as opened:
+                images.append(ImageOps.exif_transpose(opened).convert("RGB"))
+        return adapter.sampling.reference_arguments(images, self.cfg.width, self.cfg.height)
+
     @torch.no_grad()
     def conditioning(self, adapter: ModelAdapter) -> list[dict | None]:
         """Each prompt's precomputed conditioning where the family offers it (see ModelAdapter)."""
@@ -111,25 +127,30 @@ class SampleRenderer:
                         else self.cfg.guidance_scale)
             steps = self.steps(adapter)
             arguments = adapter.sampling.pipeline_arguments(text, guidance)
+            references = self.references[index]
+            shown = self.reference_arguments(adapter, references)
+            sized = adapter.sampling.size_arguments(self.cfg.width, self.cfg.height)
             video = {"num_frames": self.frames(adapter), "output_type": "np"} if adapter.facts.video else {}
             result = pipe(
                 **arguments,
+                **shown,
                 **self.rescale(),
                 **video,
+                **sized,
                 num_inference_steps=steps,
-                width=self.cfg.width,
-                height=self.cfg.height,
                 generator=torch.Generator(device="cpu").manual_seed(seed),
             )
             if not write:
                 continue
             guidance_record = {k: v for k, v in arguments.items() if k not in text}
             extras = {"negative_prompt": adapter.sampling.negative_prompt(self.cfg.neg),
-                      **adapter.sampling.reproduction()}
+                      **adapter.sampling.reproduction(),
+                      **{key: value for key, value in (shown | sized).items()
+                         if key not in ("width", "height") and not holds_images(value)}}
             if video:
                 extras.update(num_frames=video["num_frames"], fps=self.fps(adapter))
             record = {key: str(value) for key, value in
-                      self.reproduction(pipe, prompt, seed, guidance_record, step, steps, extras).items()}
+                      self.reproduction(pipe, prompt, seed, guidance_record, step, steps, extras, references).items()}
             stem = self.folder / f"step_{step:09d}_{index}"
             if video:
                 written.append(self.write_video(stem, result.frames[0], self.fps(adapter), record))
@@ -213,6 +234,12 @@ class Sampler:
             for mirror in self.mirrors:
                 stack.enter_context(mirror.detached())
             yield
+
+
+def holds_images(value) -> bool:
+    """A pipeline argument that is an image or a list of them (not written into a sample's metadata)."""
+    return isinstance(value, Image.Image) or (isinstance(value, (list, tuple))
+                                              and any(isinstance(v, Image.Image) for v in value))
 
 
 def cuda_devices(device: torch.device) -> list[int]:
