@@ -47,7 +47,7 @@ def full_size(arch: str) -> torch.nn.Module:
     with torch.device("meta"):
         if arch in ("sd15", "sdxl"):
             return UNet2DConditionModel(**{"sd15": SD15_FULL, "sdxl": SDXL_FULL}[arch]["unet"])
-        if arch == "flux":
+        if arch in ("flux", "flux_kontext"):  # FLUX.1 Kontext [dev]: the [dev] transformer's config
             return FluxTransformer2DModel(**FLUX_FULL["transformer"])
         if arch == "qwen_image":
             return QwenImageTransformer2DModel(**QWEN_IMAGE_FULL["transformer"])
@@ -58,7 +58,7 @@ def full_size(arch: str) -> torch.nn.Module:
 
 def default_targets(arch: str, module: torch.nn.Module, family) -> list[str]:
     """The family's default LoRA targets for this module (FLUX.1's and Qwen-Image's depend on its block count)."""
-    if arch == "flux":
+    if arch in ("flux", "flux_kontext"):
         return flux_lora_targets(module)
     if arch == "qwen_image":
         return qwen_lora_targets(len(module.transformer_blocks))
@@ -178,6 +178,19 @@ def test_flux_primary_names_are_the_diffusers_paths_for_the_full_size_transforme
     assert {float(alpha) for alpha in alphas.values()} == {2.0} and len(alphas) == len(adapted)
 
 
+def test_flux_kontext_primary_names_are_flux_ones_and_the_kontext_pipeline_reads_them():
+    """FLUX.1 Kontext's LoRA is written in FLUX.1's form (ComfyUI and Forge load Kontext as a FLUX.1 model): the same
+    names for the full-size transformer, read back by FluxKontextPipeline's loader."""
+    from diffusers import FluxKontextPipeline
+
+    network = NetworkConfig(linear=4, linear_alpha=2)
+    _, kontext, adapted = primary_state("flux_kontext", network)
+    _, flux, _ = primary_state("flux", network)
+    assert kontext.keys() == flux.keys() and len(adapted) == 19 * 12 + 38 * 5
+    weights, alphas = FluxKontextPipeline.lora_state_dict(dict(kontext), return_alphas=True)
+    assert {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in weights} == set(adapted)
+
+
 def test_qwen_image_primary_names_are_comfyuis_for_the_full_size_transformer():
     """ComfyUI's Qwen-Image model keeps diffusers' module paths and maps LoRAs by `diffusion_model.<path>`
     (lora_down / lora_up / alpha); QwenImagePipeline's converter reads the same names back. On the full-size 20B
@@ -232,6 +245,6 @@ def test_the_full_size_qwen_image_text_encoder_feeds_the_transformer():
     assert encoder.config.text_config.hidden_size == QWEN_IMAGE_FULL["transformer"]["joint_attention_dim"] == 3584
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux", "qwen_image", "wan"])
+@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "wan"])
 def test_the_primary_form_is_the_comfy_form_for_these_families(arch):
     assert get_adapter_class(arch).files.primary == "comfy"

@@ -144,3 +144,21 @@ def test_the_page_is_a_function_of_the_folder(run_dir):
     first = write_report(run_dir).read_bytes()
     assert build_report(run_dir).encode() == first
     assert write_report(run_dir).read_bytes() == first
+
+
+def test_a_prompts_reference_images_are_shown_beside_its_samples(run_dir):
+    """Reference images the sampler kept in samples/ (`reference_<prompt>_<slot>`) are embedded in a reference column
+    on their prompt's row, in slot order; a prompt without them has an empty cell."""
+    samples = run_dir / "samples"
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(samples / "reference_1_1.png")
+    Image.new("RGB", (8, 8), (10, 200, 10)).save(samples / "reference_1_0.jpg")
+    page = build_report(run_dir)
+    assert "<th>reference</th>" in page
+    row = page[page.index("prompt 1<br>"):]
+    row = row[:row.index("</tr>")]
+    first, second = row.index('title="samples/reference_1_0.jpg"'), row.index('title="samples/reference_1_1.png"')
+    assert first < second < row.index("step_000000000_1.png")
+    jpeg = re.search(r'<img src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)" title="samples/reference_1_0.jpg"', page)
+    assert base64.b64decode(jpeg.group(1)) == (samples / "reference_1_0.jpg").read_bytes()
+    row0 = page[page.index("prompt 0<br>"):]
+    assert row0[:row0.index("</tr>")].count("reference_") == 0

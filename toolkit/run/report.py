@@ -37,7 +37,10 @@ PAD_LEFT, CHAR = 40, 8
 #: the share of the value range left free above and below the lines
 MARGIN = 0.06
 SAMPLE_NAME = re.compile(r"^step_(\d{9})_(\d+)\.(png|mp4|webp)$")
-MEDIA_TYPES = {".png": "image/png", ".webp": "image/webp", ".mp4": "video/mp4"}
+#: a sample prompt's reference image, copied into samples/ when its samples are rendered: prompt index, slot
+REFERENCE_NAME = re.compile(r"^reference_(\d+)_(\d+)\.(png|jpg|jpeg|webp)$")
+MEDIA_TYPES = {".png": "image/png", ".webp": "image/webp", ".mp4": "video/mp4", ".jpg": "image/jpeg",
+               ".jpeg": "image/jpeg"}
 #: units of the metrics a run logs (toolkit/run/monitor.py, metrics.py Throughput, device.py memory_fields);
 #: losses, the LR, gradient norm and update RMS have none, as has a metric not named here
 UNITS = {"time": "s/update", "samples_per_s": "samples/s"}
@@ -260,14 +263,29 @@ def sample_grid(run_dir: Path, last_step: int | None) -> str:
     if not found:
         return "<p>No samples yet.</p>"
     steps = sorted({step for row in found.values() for step in row})
-    head = "".join(f"<th>step {step}</th>" for step in steps)
+    references = sample_references(run_dir)
+    head = ("<th>reference</th>" if references else "") + "".join(f"<th>step {step}</th>" for step in steps)
     rows = []
     for index in sorted(found):
         cells = "".join(f"<td>{sample_cell(run_dir, found[index][step])}</td>" if step in found[index]
                         else "<td></td>" for step in steps)
+        if references:
+            cells = f'<td>{"".join(sample_cell(run_dir, r) for r in references.get(index, []))}</td>' + cells
         prompt = html.escape(sample_prompt(run_dir / found[index][max(found[index])]))
         rows.append(f'<tr><th title="{prompt}">prompt {index}<br><small>{prompt}</small></th>{cells}</tr>')
     return f'<div class="scroll"><table class="samples"><tr><th></th>{head}</tr>{"".join(rows)}</table></div>'
+
+
+def sample_references(run_dir: Path) -> dict[int, list[str]]:
+    """Each prompt's reference images as the sampler copied them into samples/ (`reference_<prompt>_<slot>.<ext>`),
+    their paths in the run folder in slot order; none for prompts without references."""
+    folder = run_dir / "samples"
+    found: dict[int, dict[int, str]] = {}
+    for path in folder.glob("reference_*") if folder.is_dir() else []:
+        match = REFERENCE_NAME.match(path.name)
+        if match:
+            found.setdefault(int(match.group(1)), {})[int(match.group(2))] = f"samples/{path.name}"
+    return {index: [slots[slot] for slot in sorted(slots)] for index, slots in found.items()}
 
 
 def data_uri(path: Path) -> str:

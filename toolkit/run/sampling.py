@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -22,6 +23,10 @@ from toolkit.models.base import ModelAdapter
 from toolkit.precision import Precision
 from toolkit.run.video import write_video
 from toolkit.train.weights import in_eval_mode
+
+
+#: the reference image types the samples folder keeps under their own suffix (the report embeds them as they are)
+REFERENCE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 class SampleRenderer:
@@ -92,6 +97,25 @@ class SampleRenderer:
         pixels = (np.asarray(frames, dtype=np.float32) * 255).round().clip(0, 255).astype(np.uint8)
         return write_video(stem, pixels, fps, record)
 
+    def keep_references(self) -> None:
+        """Each prompt's reference images copied into the samples folder (`reference_<prompt>_<slot>.<ext>`), where the
+        report and the dashboard show them beside the prompt's samples: the run folder stays the whole record. A copy
+        is written again only where its file changed."""
+        for index, files in enumerate(self.references):
+            for slot, file in enumerate(files):
+                source = Path(file)
+                suffix = source.suffix.lower()
+                if suffix in REFERENCE_SUFFIXES:
+                    data = source.read_bytes()
+                else:  # another type PIL reads: kept as a PNG, which every browser shows
+                    suffix, buffer = ".png", io.BytesIO()
+                    with Image.open(source) as opened:
+                        ImageOps.exif_transpose(opened).convert("RGB").save(buffer, format="PNG")
+                    data = buffer.getvalue()
+                copy = self.folder / f"reference_{index}_{slot}{suffix}"
+                if not copy.is_file() or copy.read_bytes() != data:
+                    write_atomic(copy, lambda tmp, data=data: tmp.write_bytes(data))
+
     def reference_arguments(self, adapter: ModelAdapter, references: list[str]) -> dict:
         """The pipeline arguments that give a sample its reference images (none for a plain prompt): each file read
         upright, in RGB."""
@@ -117,6 +141,7 @@ class SampleRenderer:
         pipe.set_progress_bar_config(disable=True)
         if write:
             self.folder.mkdir(parents=True, exist_ok=True)
+            self.keep_references()
         written = []
         for index, prompt in enumerate(tqdm(self.prompts, desc="sampling", unit="image", leave=False,
                                             disable=not progress)):

@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from toolkit.run.control import STATUS_FILE, run_state
-from toolkit.run.report import PLAN_FILE, SAMPLE_NAME, sample_prompt
+from toolkit.run.report import PLAN_FILE, SAMPLE_NAME, sample_prompt, sample_references
 
 #: run folders are found this deep under the training folder (a job's training_folder may be a subfolder of it)
 MAX_DEPTH = 3
@@ -183,6 +183,10 @@ class RunReader:
                               "prompt": self.prompt(path),
                               "url": sample_url(name, path.name)})
         found.sort(key=lambda s: (s["step"], s["index"]))
+        references = {index: [f"/runs/{quote(name, safe='')}/files/{relative}" for relative in files]
+                      for index, files in sample_references(folder).items()}
+        for sample in found:
+            sample["references"] = references.get(sample["index"], [])
         return found
 
     def prompt(self, path: Path) -> str:

@@ -579,14 +579,16 @@ function drawSamples(samples) {
     strip.replaceChildren(...prompts.map((index) => {
       const sample = at.get(`${index}:${page.sampleStep}`);
       if (!sample) return null;
-      return el('figure', { 'data-prompt': index }, sampleMedia(sample, { onclick: () => openLightbox(sample, steps, at) }),
+      return el('figure', { 'data-prompt': index }, referenceImages(sample),
+        sampleMedia(sample, { onclick: () => openLightbox(sample, steps, at) }),
         el('figcaption', {}, `prompt ${index}: ${sample.prompt}`));
     }).filter(Boolean));
     for (const cell of table.querySelectorAll('td[data-step]')) cell.classList.toggle('current', Number(cell.dataset.step) === page.sampleStep);
   };
   table.append(el('tr', {}, el('th'), ...steps.map((step) => el('th', {}, `step ${step}`))));
   for (const index of prompts) {
-    table.append(el('tr', {}, el('th', { title: (at.get(`${index}:${steps[steps.length - 1]}`) || {}).prompt || '' }, `prompt ${index}`),
+    const newest = at.get(`${index}:${steps[steps.length - 1]}`) || {};
+    table.append(el('tr', {}, el('th', { title: newest.prompt || '' }, `prompt ${index}`, referenceImages(newest)),
       ...steps.map((step) => {
         const sample = at.get(`${index}:${step}`);
         return el('td', { 'data-step': step }, sample ? sampleMedia(sample, { onclick: () => openLightbox(sample, steps, at) }) : null);
@@ -595,6 +597,14 @@ function drawSamples(samples) {
   box.replaceChildren(el('div', { class: 'toolbar' }, el('label', {}, 'step', slider), label), strip,
     el('h3', { class: 'note', text: 'every prompt and step' }), el('div', { class: 'scroll' }, table));
   drawStrip();
+}
+
+// a sample's reference images (image-editing families), shown before its output
+function referenceImages(sample) {
+  const urls = sample.references || [];
+  if (!urls.length) return null;
+  return el('div', { class: 'references' }, ...urls.map((url, slot) =>
+    el('img', { src: url, alt: `reference ${slot + 1}`, title: `reference ${slot + 1}`, class: 'reference' })));
 }
 
 function openLightbox(sample, steps, at) {
