@@ -227,6 +227,57 @@ def test_the_imported_flex_example_trains_with_the_embedding_bypassed(tmp_path, 
     assert list((folder / "samples").glob("*.png"))
 
 
+def test_ai_toolkit_reference_images_become_control_path_and_prompt_references():
+    """The Kontext example's control folder and `--ctrl_img` prompts; the Plus models' list of control folders, their
+    UI slots (`control_path_1..3`) and sample items' `ctrl_img_1..3` (the first standing for `ctrl_img`)."""
+    process = imported("aitoolkit_example_flux_kontext.yaml").process
+    assert process["model"]["arch"] == "flux_kontext"
+    assert process["datasets"][0]["control_path"] == "/path/to/control/folder"
+    assert process["sample"]["prompts"][0] == {"prompt": "make the person smile",
+                                               "references": ["/path/to/control/folder/person1.jpg"]}
+    data = read_raw(FIXTURES / "aitoolkit_example_flux_kontext.yaml")
+    job = data["config"]["process"][0]
+    job["datasets"][0]["control_path_1"] = "/more"
+    job["sample"] = {"samples": [{"prompt": "both", "ctrl_img": "/a.png", "ctrl_img_1": "/a.png"},
+                                 {"prompt": "plain"}]}
+    converted = import_aitoolkit(data, name="k").process
+    assert converted["datasets"][0]["control_path"] == ["/path/to/control/folder", "/more"]
+    assert converted["sample"]["prompts"] == [{"prompt": "both", "references": ["/a.png"]}, "plain"]
+
+
+def test_reference_images_for_a_family_without_them_are_refused_by_key():
+    data = read_raw(FIXTURES / "aitoolkit_example_flux_kontext.yaml")
+    data["config"]["process"][0]["model"]["arch"] = "flux"
+    with pytest.raises(ImportRefused, match=r"datasets\[0\].control_path: FLUX.1 takes no reference images"):
+        import_aitoolkit(data, name="k")
+
+
+@pytest.mark.slow
+def test_the_imported_kontext_example_trains_on_pairs_and_renders_from_its_reference(tmp_path, registry):
+    """ai-toolkit's Kontext example, imported and pointed at the tiny preset, the shipped pairs and this machine
+    (steps cut to 2): trains on the pairs and renders its `--ctrl_img` prompt from that reference."""
+    from test_flux_kontext_training import shipped_pairs
+
+    out = tmp_path / "kontext.yaml"
+    assert run.main(["--import-config", str(FIXTURES / "aitoolkit_example_flux_kontext.yaml"), "-o", str(out)]) == 0
+    job = yaml.safe_load(out.read_text())
+    process = job["config"]["process"][0]
+    targets, references = shipped_pairs(tmp_path / "pairs")
+    process["model"].update(name_or_path="tiny", quantize=False, quantize_te=False)
+    process["datasets"][0].update(folder_path=str(targets), control_path=str(references), resolution=[64])
+    process.update(training_folder=str(tmp_path / "output"), device="cpu")
+    process["train"].update(steps=2, optimizer="adamw")  # bitsandbytes' 8-bit AdamW runs on a GPU
+    first = dict(process["sample"]["prompts"][0], references=[str(references / "00_circle.png")])
+    process["sample"].update(width=32, height=32, sample_steps=2, prompts=[first], sample_at_start=False)
+    process["save"].update(save_every=2)
+    out.write_text(json.dumps(job))
+    assert run.main([str(out)]) == 0
+    folder = tmp_path / "output" / job["config"]["name"]
+    assert [r["step"] for r in read_metrics(folder / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert (folder / "samples" / "step_000000002_0.png").is_file()
+    assert (folder / "samples" / "reference_0_0.png").read_bytes() == (references / "00_circle.png").read_bytes()
+
+
 # ---- kohya sd-scripts ----------------------------------------------------------------------------------------
 
 #: kohya configurations that import (the SDXL one trains the text encoder with cached outputs, which kohya refuses)

@@ -7,6 +7,7 @@ differs goes to the "check these" list."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from toolkit.config.importers.conversion import (
@@ -26,11 +27,10 @@ TRAINING_TYPES = ("sd_trainer", "diffusion_trainer", "ui_trainer")
 
 #: ai-toolkit arch (without its `:tag`) -> difftune family
 FAMILIES = {"sd1": "sd15", "sd15": "sd15", "sdxl": "sdxl", "ssd": "sdxl", "vega": "sdxl", "flux": "flux",
-            "flex1": "flux", "qwen_image": "qwen_image", "zimage": "zimage", "wan21": "wan", "wan22_5b": "wan",
+            "flex1": "flux", "flux_kontext": "flux_kontext", "qwen_image": "qwen_image", "zimage": "zimage", "wan21": "wan", "wan22_5b": "wan",
             "wan22_14b": "wan"}
 #: ai-toolkit archs difftune has no family for, by name
-UNSUPPORTED = {"sd2": "Stable Diffusion 2.x", "sd3": "Stable Diffusion 3/3.5", "flux_kontext": "FLUX.1 Kontext",
-               "flex2": "Flex.2", "chroma": "Chroma", "chroma_radiance": "Chroma Radiance", "flux2": "FLUX.2",
+UNSUPPORTED = {"sd2": "Stable Diffusion 2.x", "sd3": "Stable Diffusion 3/3.5", "flex2": "Flex.2", "chroma": "Chroma", "chroma_radiance": "Chroma Radiance", "flux2": "FLUX.2",
                "flux2_klein_4b": "FLUX.2 klein", "flux2_klein_9b": "FLUX.2 klein", "qwen_image_edit":
                "Qwen-Image-Edit", "qwen_image_edit_plus": "Qwen-Image-Edit-Plus", "zimage_l2p": "Z-Image pixel space",
                "wan21_i2v": "Wan 2.1 image-to-video", "wan22_14b_i2v": "Wan 2.2 image-to-video",
@@ -60,7 +60,7 @@ EXPERT_ARCHS = frozenset({"wan22_14b"})
 
 #: mappings and lists kept whole (their keys are not job keys)
 LEAVES = ("optimizer_params", "lr_scheduler_params", "model_kwargs", "quantize_kwargs", "validation_config",
-          "network_kwargs", "samples", "prompts", "resolution", "controls")
+          "network_kwargs", "samples", "prompts", "resolution", "controls", "control_path")
 
 OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit", "lion8bit": "lion8bit", "adafactor": "adafactor",
               "prodigy": "prodigy"}
@@ -145,6 +145,34 @@ def import_aitoolkit(data: dict[str, Any], name: str = "") -> Conversion:
 def frames_at_or_below(count: int, step: int) -> int:
     """The step k + 1 frame count at or below `count` (what a video VAE with temporal factor `step` encodes)."""
     return (count - 1) // step * step + 1
+
+
+#: a sample item's reference image keys (ai-toolkit: `ctrl_img`, and the Plus models' `ctrl_img_1..3`, the first
+#: defaulting to `ctrl_img`)
+SAMPLE_REFERENCE_KEYS = ("ctrl_img", "ctrl_img_1", "ctrl_img_2", "ctrl_img_3")
+#: a prompt string's reference image flag
+CTRL_IMG_FLAG = re.compile(r"\s*--ctrl_img\s+(\S+)")
+
+
+def with_references(prompt: str) -> str | dict:
+    """A prompt string, or where it carries `--ctrl_img <file>` (ai-toolkit's flag for its reference image) the
+    prompt without the flag and its reference: `{prompt, references}`."""
+    files = CTRL_IMG_FLAG.findall(prompt)
+    if not files:
+        return prompt
+    return {"prompt": CTRL_IMG_FLAG.sub("", prompt).strip(), "references": files}
+
+
+def item_with_references(item: dict) -> str | dict:
+    """A `sample.samples` item as a difftune prompt: its prompt, with its `ctrl_img` / `ctrl_img_1..3` (in order,
+    `ctrl_img_1` standing for `ctrl_img`) as references."""
+    prompt = with_references(str(item.get("prompt", "")))
+    first = item.get("ctrl_img_1") or item.get("ctrl_img")
+    files = [str(f) for f in (first, item.get("ctrl_img_2"), item.get("ctrl_img_3")) if f]
+    if not files:
+        return prompt
+    text = prompt if isinstance(prompt, str) else prompt["prompt"]
+    return {"prompt": text, "references": (prompt["references"] if isinstance(prompt, dict) else []) + files}
 
 
 def family_of(source: Source) -> tuple[str, str]:
@@ -475,11 +503,48 @@ class AiToolkitJob(Rules):
             out.check(f"{at}.network_weight {weight}: difftune applies the LoRA at full strength to every dataset")
         elif self.src.has(f"{at}.network_weight"):
             out.dropped(f"{at}.network_weight", "1: full strength, as in difftune")
+        self.dataset_references(at)
         controls = self.take(f"{at}.controls", [])
         if controls:
             raise ImportRefused(f"{at}.controls: control images have no difftune equivalent")
         if self.src.has(f"{at}.controls"):
             out.dropped(f"{at}.controls", "none given")
+
+    def dataset_references(self, at: str) -> None:
+        """ai-toolkit's `control_path` (a folder, or a list: one per reference) and its `control_path_1..3` (the UI's
+        slots, appended in order) are difftune's `control_path`, for the families that take reference images."""
+        out = self.out
+        value = self.take(f"{at}.control_path")
+        folders = [] if value in (MISSING, None, "") else [str(value)] if isinstance(value, str) else [
+            str(v) for v in value if v]
+        sources = [f"{at}.control_path"] if folders else []
+        for slot in (1, 2, 3):
+            extra = self.take(f"{at}.control_path_{slot}")
+            if extra not in (MISSING, None, ""):
+                folders.append(str(extra))
+                sources.append(f"{at}.control_path_{slot}")
+            elif self.src.has(f"{at}.control_path_{slot}"):
+                out.dropped(f"{at}.control_path_{slot}", "empty")
+        if self.src.has(f"{at}.control_path") and not sources[:1] == [f"{at}.control_path"]:
+            out.dropped(f"{at}.control_path", "empty")
+        if self.take(f"{at}.control_from_same_folder", False):
+            raise ImportRefused(f"{at}.control_from_same_folder: reference images must be in folders of their own "
+                                "(datasets[].control_path)")
+        for key in ("control_from_same_folder", "num_controls_from_same_folder", "control_transparent_color"):
+            if self.src.has(f"{at}.{key}"):
+                self.take(f"{at}.{key}")
+                out.dropped(f"{at}.{key}", "references come from control_path folders")
+        if not folders:
+            return
+        if self.facts.references is None:
+            raise ImportRefused(f"{at}.control_path: {self.facts.title} takes no reference images in difftune "
+                                "(image-editing families: flux_kontext, qwen_image_edit)")
+        target = folders[0] if len(folders) == 1 else folders
+        for source in sources:
+            out.mapped(source, f"{at}.control_path", target)
+        out.check(f"{at}.control_path: ai-toolkit trains a target whose reference is missing anyway (Kontext with a "
+                  "blank one); difftune names every such target and stops, unless datasets[].control_optional: true "
+                  "(then they train without one)")
 
     def dataset_frames(self, at: str) -> None:
         """ai-toolkit extracts a clip's num_frames as they are, and Wan's VAE encodes the 4k + 1 at or below that
@@ -810,9 +875,8 @@ class AiToolkitJob(Rules):
     def sample(self) -> None:
         out = self.out
         disabled = bool(self.take("train.disable_sampling", False))
-        prompts = [str(p) for p in self.take("sample.prompts", []) or []]
+        prompts = [with_references(str(p)) for p in self.take("sample.prompts", []) or []]
         items = self.take("sample.samples", []) or []
-        prompts += [str(item.get("prompt", "")) for item in items if isinstance(item, dict)]
         if self.src.has("train.disable_sampling") and not disabled:
             out.dropped("train.disable_sampling", "false: the sample keys are imported")
         if disabled:
@@ -822,17 +886,21 @@ class AiToolkitJob(Rules):
                 out.dropped(path, "sampling is disabled")
             return
         if items:
-            prompts = [str(item.get("prompt", "")) for item in items if isinstance(item, dict)]
+            prompts = [item_with_references(item) for item in items if isinstance(item, dict)]
             out.mapped("sample.samples", "sample.prompts", prompts)
             if self.src.has("sample.prompts"):
                 out.dropped("sample.prompts", "ai-toolkit renders sample.samples when it has them")
         elif self.src.has("sample.prompts"):
             out.mapped("sample.prompts", "sample.prompts", prompts)
-        overrides = sorted({k for item in items if isinstance(item, dict) for k in item if k != "prompt"})
+        overrides = sorted({k for item in items if isinstance(item, dict) for k in item
+                            if k != "prompt" and k not in SAMPLE_REFERENCE_KEYS})
         if overrides:
             out.check(f"sample.samples: per-prompt {', '.join(overrides)} dropped; difftune renders every prompt "
                       "with the sample-level settings")
-        if any(" --" in p for p in prompts):
+        if any(isinstance(p, dict) for p in prompts) and self.facts.references is None:
+            raise ImportRefused(f"sample prompts with control images (ctrl_img): {self.facts.title} samples take no "
+                                "reference images in difftune")
+        if any(" --" in (p if isinstance(p, str) else p["prompt"]) for p in prompts):
             out.check("sample prompts carry --flags (e.g. --w, --seed): difftune renders them as text")
         every = max(1, math.ceil(int(self.take("sample.sample_every", 100)) / self.scale))
         if self.src.has("sample.sample_every"):
