@@ -24,6 +24,7 @@ from toolkit.run.metrics import read_metrics
 EXAMPLES = REPO / "config" / "examples"
 #: each family's tiny example, as a user runs it
 FAMILY_EXAMPLES = {"sd15": "quickstart", "sdxl": "sdxl_lora_tiny", "flux": "flux_lora_tiny",
+                   "flux_kontext": "flux_kontext_lora_tiny",
                    "zimage": "zimage_lora_tiny", "qwen_image": "qwen_image_lora_tiny", "wan": "wan_lora_tiny",
                    "wuerstchen": "wuerstchen_prior_tiny"}
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,6 +37,11 @@ def example_here(family: str, tmp_path: Path, precision: str) -> dict:
     process = job["config"]["process"][0]
     for dataset in process["datasets"]:
         dataset["folder_path"] = str(REPO / dataset["folder_path"])
+        if "control_path" in dataset:
+            dataset["control_path"] = str(REPO / dataset["control_path"])
+    for prompt in process.get("sample", {}).get("prompts", []):
+        if isinstance(prompt, dict):
+            prompt["references"] = [str(REPO / file) for file in prompt["references"]]
     process["training_folder"] = str(tmp_path / "output")
     process["model"]["dtype"] = precision
     return process
