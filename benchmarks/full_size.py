@@ -209,6 +209,7 @@ WAN22_A14B_FULL = {"transformers": [_wan_transformer(40, 13824, 40)] * 2, "text_
 def presets(size: str) -> dict[str, dict]:
     """Per model: its preset, the builder, the training resolution and the model keys of the job."""
     from toolkit.models.flux.tiny import TINY_FLUX_DEV, build_flux
+    from toolkit.models.flux_kontext.tiny import TINY_FLUX_KONTEXT, build_flux_kontext
     from toolkit.models.qwen_image.tiny import TINY_QWEN_IMAGE, build_qwen_image
     from toolkit.models.sd15.tiny import TINY_SD15, build_sd15
     from toolkit.models.sdxl.tiny import TINY_SDXL, build_sdxl
@@ -227,6 +228,10 @@ def presets(size: str) -> dict[str, dict]:
         "flux": {"preset": FLUX_FULL if full else TINY_FLUX_DEV, "build": build_flux,
                  "resolution": 1024 if full else 64,
                  "model": {"arch": "flux", "quantize": True, "qtype": "qfloat8"}},
+        # edit pairs: each target with a reference of its size, whose tokens double the transformer's sequence
+        "flux_kontext": {"preset": FLUX_FULL if full else TINY_FLUX_KONTEXT, "build": build_flux_kontext,
+                         "resolution": 1024 if full else 64, "references": True,
+                         "model": {"arch": "flux_kontext", "quantize": True, "qtype": "qfloat8"}},
         # one random Qwen-Image folder (about 41 GB in bf16) serves both quantized runs
         "qwen_image": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
                        "resolution": 1024 if full else 64, "folder": "qwen_image",
@@ -270,13 +275,13 @@ def built_on(device: str):
         torch.set_default_dtype(dtype)
 
 
-def write_images(folder: Path, count: int, size: int) -> None:
+def write_images(folder: Path, count: int, size: int, seed: int = 0) -> None:
     """Smooth random colour fields with captions (what they look like does not change the speed)."""
     import numpy as np
     from PIL import Image
 
     folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     for index in range(count):
         coarse = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
         Image.fromarray(coarse).resize((size, size), Image.BICUBIC).save(folder / f"img_{index:02d}.png")
@@ -311,7 +316,8 @@ def job_file(folder: Path, name: str, model_path: Path, spec: dict, args) -> Pat
         "save": {"save_every": 0, "formats": ["diffusers"]},
         "datasets": [{"folder_path": str(folder / "data"), "resolution": [spec["resolution"]],
                       "cache_latents": True, "cache_dir": str(folder / "cache"),
-                      **({"num_frames": spec["frames"]} if "frames" in spec else {})}],
+                      **({"num_frames": spec["frames"]} if "frames" in spec else {}),
+                      **({"control_path": str(folder / "references")} if spec.get("references") else {})}],
         "train": {"batch_size": 1, "steps": args.updates, "lr": 1e-4, "dtype": "bf16" if cuda else "fp32",
                   # sharded parameters take torch's AdamW, not bitsandbytes' 8-bit one
                   "optimizer": "adamw8bit" if cuda and not spec.get("sharded") else "adamw",
@@ -380,6 +386,8 @@ def measure_model(name: str, spec: dict, args, scratch: Path) -> dict:
         write_clips(folder / "data", args.images, spec["resolution"], spec["frames"])
     else:
         write_images(folder / "data", args.images, spec["resolution"])
+    if spec.get("references"):  # other pictures of the same names: each target's reference
+        write_images(folder / "references", args.images, spec["resolution"], seed=1)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if spec.get("sharded"):
@@ -505,7 +513,7 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["sd15", "sdxl", "zimage", "flux", "qwen_image", "qwen_image_qint4", "qwen_image_qint8", "qwen_image_fsdp",
+    names = ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_qint4", "qwen_image_qint8", "qwen_image_fsdp",
              "wan21", "wan22_5b"]
     parser.add_argument("--models", nargs="+", default=names, choices=[*names, "wan22_a14b"])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
