@@ -332,7 +332,7 @@ class BaseSDTrainProcess(BaseProcess):
         cfg, acc, adapter = self.config, self.accelerator, self.adapter
         validation = Validation(cfg.validation, held_out.items(adapter.divisor), cfg.train.objective, cfg.train.seed,
                                 adapter, sizes=adapter.facts.size_conditioning,
-                                mask_min_values=held_out.mask_min_values(), references=adapter.facts.references)
+                                mask_min_values=held_out.mask_min_values(), references=adapter.reference_rules)
         # sharded: every process takes part in every forward, so each evaluates every batch
         processes, rank = (1, 0) if self.sharding.enabled else (acc.num_processes, acc.process_index)
         with modules_on(adapter.image_encoder_modules(), self.placement.device):

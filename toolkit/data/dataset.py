@@ -349,11 +349,11 @@ def draw_variant(item: TrainItem, options: SampleOptions, seed: int, epoch: int,
 
 def reference_sizes(item: TrainItem, rules: ReferenceFacts) -> tuple[tuple[int, int], ...]:
     """The (width, height) each of the item's references is trained at, by the family's rule: the target's bucket
-    (`target`), or the bucket's pixel area at the aspect ratio of the reference's window (`reference_window`),
-    sides rounded to `rules.multiple` (`budget`). The same for every variant of the item."""
+    (`target`), or a pixel area (`rules.area`, else the bucket's) at the aspect ratio of the reference's window
+    (`reference_window`), sides rounded to `rules.multiple` (`budget`). The same for every variant of the item."""
     if rules.size == "target":
         return tuple(item.bucket for _ in item.record.references)
-    area = item.bucket[0] * item.bucket[1]
+    area = rules.area or item.bucket[0] * item.bucket[1]
     sizes = []
     for reference in item.record.references:
         left, top, right, bottom = reference_window(item, reference, None)

@@ -45,7 +45,7 @@ class TrainingData:
                                                    sizes=adapter.facts.size_conditioning,
                                                    frame_step=adapter.facts.frame_step, family=adapter.facts.title,
                                                    scanned=scanned, seed=train.seed,
-                                                   references=adapter.facts.references)
+                                                   references=adapter.reference_rules)
         budget = round(train.runtime.decoded_images_gib * 2**30)
         self.dataset.decoded = DecodedImages(budget) if budget > 0 else None
         self.batch_sampler = self.make_batch_sampler()

@@ -18,7 +18,7 @@ import torch
 
 from toolkit.device import to_device
 from toolkit.diffusion.schedules import NoiseSchedule
-from toolkit.models.config import FamilyFacts, ModelConfigBase
+from toolkit.models.config import FamilyFacts, ModelConfigBase, ReferenceFacts
 from toolkit.models.tokens import TokenMemos, Tokens
 
 
@@ -312,6 +312,12 @@ class ModelAdapter(ABC):
 
     def encode_images(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return self.latents_from_dist(self.encode_latent_dist(pixels), generator)
+
+    @property
+    def reference_rules(self) -> ReferenceFacts | None:
+        """How this model takes reference images (image-editing families): its facts' rule, or the loaded model's
+        narrower one (Qwen-Image-Edit's first version takes one reference)."""
+        return self.facts.references
 
     def reference_latents(self, mean: torch.Tensor) -> torch.Tensor:
         """A reference image's latents from the encoder's mean (`encode_latent_dist(pixels).mean`, or a cached one),

@@ -66,8 +66,16 @@ class ChannelNormalizedLatents:
         return self._on[device]
 
     def sample(self, dist: LatentDist, generator: torch.Generator | None) -> torch.Tensor:
+        if dist.std is None:
+            return self.mode(dist.mean)
         mean, std = self.on(dist.mean.device)
         return vae_latents(dist, generator, 1 / std, mean)
+
+    def mode(self, latent_mean: torch.Tensor) -> torch.Tensor:
+        """The encoder's mean normalised as the editing pipelines normalise their reference latents: (mean -
+        latents_mean) / latents_std in the mean's dtype (`QwenImageEditPipeline._encode_vae_image`)."""
+        mean, std = self.on(latent_mean.device)
+        return (latent_mean - mean.to(latent_mean.dtype)) / std.to(latent_mean.dtype)
 
 
 def weights_fingerprint(module: torch.nn.Module, buffers: bool = False) -> str:

@@ -23,11 +23,13 @@ class ReferenceFacts:
     #: plain text-to-image sample)
     optional: bool = True
     #: how a reference is sized: `target` (resized to cover the target's bucket and cropped with it, as FLUX.1
-    #: Kontext trains) or `budget` (the target's pixel area kept, its own aspect ratio kept, sides rounded to
-    #: `multiple`, as the Qwen-Image-Edit pipelines size them)
+    #: Kontext trains) or `budget` (a pixel area, `area`, at its own aspect ratio, sides rounded to `multiple`, as the
+    #: Qwen-Image-Edit pipelines size them)
     size: Literal["target", "budget"] = "target"
     #: the multiple a `budget` reference's sides are rounded to
     multiple: int = 16
+    #: a `budget` reference's pixel area: None for its target's bucket's area
+    area: int | None = None
 
 
 @dataclass(frozen=True)

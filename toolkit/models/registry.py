@@ -27,6 +27,8 @@ FAMILIES: dict[str, Family] = {family.arch: family for family in (
            "toolkit.models.flux_kontext.adapter:FluxKontextAdapter"),
     Family("qwen_image", "toolkit.models.qwen_image.config:QwenImageModelConfig",
            "toolkit.models.qwen_image.adapter:QwenImageAdapter"),
+    Family("qwen_image_edit", "toolkit.models.qwen_image_edit.config:QwenImageEditModelConfig",
+           "toolkit.models.qwen_image_edit.adapter:QwenImageEditAdapter"),
     Family("sd15", "toolkit.models.sd15.config:SD15ModelConfig", "toolkit.models.sd15.adapter:SD15Adapter"),
     Family("sdxl", "toolkit.models.sdxl.config:SDXLModelConfig", "toolkit.models.sdxl.adapter:SDXLAdapter"),
     Family("wan", "toolkit.models.wan.config:WanModelConfig", "toolkit.models.wan.adapter:WanAdapter"),

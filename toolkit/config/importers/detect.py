@@ -91,7 +91,7 @@ class Foreign:
 
 #: ai-toolkit arch strings that are no difftune arch (its own names, or a `name:tag`)
 AITOOLKIT_ARCHS = frozenset({"sd1", "sd2", "sd3", "flex1", "flex2", "wan21", "wan22_5b", "wan22_14b", "chroma",
-                             "flux2", "qwen_image_edit", "qwen_image_edit_plus", "lumina2",
+                             "flux2", "qwen_image_edit_plus", "lumina2",
                              "hidream", "omnigen2", "pixart", "pixart_sigma", "auraflow", "ssd", "vega", "zimage_l2p",
                              "wan21_i2v", "wan22_14b_i2v", "cogview4"})
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from diffusers import (
@@ -154,6 +155,8 @@ class QwenImageAdapter(ModelAdapter):
     text_rules = QwenImageText
     sampling_parts = QwenImageSampling
     sharded_blocks = ("transformer_blocks",)
+    #: where a single-file transformer's other parts and its config come from by default
+    default_components: ClassVar[str] = DEFAULT_COMPONENTS
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, source: str,
                  max_sequence_length: int = MAX_TOKENS):
@@ -185,9 +188,10 @@ class QwenImageAdapter(ModelAdapter):
         `quantize_te`), VAE, tokenizer and scheduler; then everything placed."""
         source = cls.resolve_source(model_cfg.name_or_path)
         single = is_single_file(source)
-        components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS,
+        components = cls.resolve_source(model_cfg.single_file_config or cls.default_components_for(model_cfg),
                                         "model.single_file_config") if single else source
         kw = {"variant": None if single else model_cfg.variant, "revision": None if single else model_cfg.revision}
+        options = cls.adapter_options(model_cfg, components)  # read before anything loads: a wrong model stops here
         # an assistant LoRA is merged in full precision, before any quantization
         qtype = model_cfg.qtype if model_cfg.quantize and not model_cfg.assistant_lora_path else None
         with memory_debug("transformer load" + (" and quantization" if qtype else ""), debug_memory):
@@ -203,10 +207,20 @@ class QwenImageAdapter(ModelAdapter):
         with memory_debug("text encoder, VAE load", debug_memory):
             parts = cls.load_components(components, dtype, model_cfg.qtype_te if model_cfg.quantize_te else None,
                                         device, **kw)
-        adapter = cls(transformer, *parts, source=source, max_sequence_length=model_cfg.max_sequence_length)
+        adapter = cls(transformer, *parts, source=source, **options)
         adapter.compute_dtype = dtype
         place_frozen(transformer, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
+
+    @classmethod
+    def default_components_for(cls, model_cfg: QwenImageModelConfig) -> str:
+        """The components a single file takes where `model.single_file_config` names none."""
+        return cls.default_components
+
+    @classmethod
+    def adapter_options(cls, model_cfg: QwenImageModelConfig, components: str) -> dict:
+        """The adapter's own options from the config (and the folder its parts come from)."""
+        return {"max_sequence_length": model_cfg.max_sequence_length}
 
     @staticmethod
     def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
@@ -317,20 +331,31 @@ class QwenImageAdapter(ModelAdapter):
                 expert: Expert | None = None,
                 references: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The flow velocity (noise - latents) for a [B, C, H, W] batch, float32: packed as the pipeline packs,
-        sigma as the timestep, the prompt mask where a prompt is padded."""
+        sigma as the timestep, the prompt mask where a prompt is padded. Reference latents (Qwen-Image-Edit) follow
+        the target's tokens with their own shapes (`reference_tokens`); the output is the target's tokens alone."""
         denoiser = module if module is not None else self._denoiser
         dtype, device = self.compute_dtype, noisy.device
         batch, channels, height, width = noisy.shape
         packed = QwenImagePipeline._pack_latents(noisy.to(dtype), batch, channels, height, width)
+        target_tokens, shapes = packed.shape[1], [(1, height // 2, width // 2)]
+        if references:
+            tokens, reference_shapes = self.reference_tokens(references, dtype, device)
+            packed, shapes = torch.cat([packed, tokens], dim=1), shapes + reference_shapes
         mask = embeds.attention_mask
         mask = None if mask is None or bool(mask.all()) else to_device(mask, device)  # a host tensor: no wait
         sigma = timesteps.float() / self.noise_schedule.num_train_timesteps
         out = denoiser(hidden_states=packed, timestep=sigma.to(device, dtype),
                        encoder_hidden_states=embeds.embeds.to(dtype), encoder_hidden_states_mask=mask,
-                       img_shapes=[[(1, height // 2, width // 2)]] * batch, return_dict=False)[0]
-        unpacked = QwenImagePipeline._unpack_latents(out, height * self.vae_scale, width * self.vae_scale,
-                                                     self.vae_scale)
+                       img_shapes=[shapes] * batch, return_dict=False)[0]
+        unpacked = QwenImagePipeline._unpack_latents(out[:, :target_tokens], height * self.vae_scale,
+                                                     width * self.vae_scale, self.vae_scale)
         return unpacked.squeeze(2).float()
+
+    def reference_tokens(self, references: list[torch.Tensor], dtype: torch.dtype,
+                         device: torch.device) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """Reference latents as tokens after the target's, and each one's shape for the rotary positions: Qwen-Image
+        takes none (its config refuses reference folders); Qwen-Image-Edit overrides this."""
+        raise ValueError(f"{self.arch} takes no reference images")
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer

@@ -48,25 +48,27 @@ TEMPLATE_TEXT = (("system\nDescribe the image by detailing the color, shape, siz
                   "relationships of the objects and background:"), "user\n", "assistant\n")
 
 
-def template_bpe_tokenizer():
-    """A Qwen2Tokenizer over bytes plus BPE merges learned from the prompt template's words: any text tokenizes
-    (unknown words byte by byte), the template's words are one token each as with Qwen's own vocabulary, and
-    `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` are special. Nothing is downloaded."""
+def template_bpe_tokenizer(texts: tuple[str, ...] = TEMPLATE_TEXT, vision: tuple[str, ...] = ()):
+    """A Qwen2Tokenizer over bytes plus BPE merges learned from the prompt templates' words (`texts`): any text
+    tokenizes (unknown words byte by byte), the templates' words are one token each as with Qwen's own vocabulary,
+    and `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` are special, and so are the `vision` tokens (Qwen2.5-VL's,
+    where the editing pipelines put images in their prompts). Nothing is downloaded."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    bpe.train_from_iterator(TEMPLATE_TEXT, trainers.BpeTrainer(
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=1000, min_frequency=1, initial_alphabet=sorted(ByteLevel.alphabet()), show_progress=False))
     model = json.loads(bpe.to_str())["model"]
     vocab = dict(model["vocab"])
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+    specials = ["<|im_start|>", "<|im_end|>", *vision]
+    for special in ("<|endoftext|>", *specials):
         vocab[special] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
     return tokenizer
 
 
