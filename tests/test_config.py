@@ -158,7 +158,7 @@ def test_unknown_arch_and_device_are_config_errors(tmp_path, registry):
     path = write_job(tmp_path / "job.yaml", "x", process)
     with pytest.raises(ConfigError) as err:
         load_config(str(path), registry)
-    assert "config.process[0].model.arch:" in str(err.value) and "known: flux, flux_kontext, qwen_image, sd15" in str(err.value)
+    assert "config.process[0].model.arch:" in str(err.value) and "known: flux, flux_kontext, qwen_image, qwen_image_edit, sd15" in str(err.value)
     assert "config.process[0].device: Value error, 'gpu' is not one of" in str(err.value)
 
 
@@ -192,18 +192,18 @@ def test_model_keys_are_those_of_the_chosen_family(tmp_path, registry):
     """`model` is the family's own section: a key another family has names that family; a typo gets a hint."""
     text = _error(tmp_path, registry, model={"arch": "sd15", "name_or_path": "tiny", "quantize": True,
                                              "single_file_confg": "x"})
-    assert "config.process[0].model.quantize: not a key of arch sd15 (only of: flux, flux_kontext, qwen_image, wan, zimage)" in text
+    assert "config.process[0].model.quantize: not a key of arch sd15 (only of: flux, flux_kontext, qwen_image, qwen_image_edit, wan, zimage)" in text
     assert "config.process[0].model.single_file_confg: unknown key (did you mean 'single_file_config'?)" in text
     assert "model.sd15" not in text  # pydantic's union tag is not a level of the user's file
 
 
 def test_unknown_and_missing_arch_name_the_known_families(tmp_path, registry):
-    assert "model.arch: unknown arch 'sdxxl' (known: flux, flux_kontext, qwen_image, sd15, sdxl, wan, wuerstchen, zimage)" in _error(
+    assert "model.arch: unknown arch 'sdxxl' (known: flux, flux_kontext, qwen_image, qwen_image_edit, sd15, sdxl, wan, wuerstchen, zimage)" in _error(
         tmp_path, registry, model={"arch": "sdxxl", "name_or_path": "x"})
     process = trainer_process(tmp_path)
     process["model"] = {"name_or_path": "tiny"}
     path = write_job(tmp_path / "job2.yaml", "y", process)
-    with pytest.raises(ConfigError, match=r"model.arch: required key is missing \(one of: flux, flux_kontext, qwen_image, sd15, sdxl, wan, wuerstchen, zimage\)"):
+    with pytest.raises(ConfigError, match=r"model.arch: required key is missing \(one of: flux, flux_kontext, qwen_image, qwen_image_edit, sd15, sdxl, wan, wuerstchen, zimage\)"):
         load_config(str(path), registry)
 
 

@@ -25,7 +25,7 @@ from toolkit.models.registry import get_adapter_class, model_config
 
 CPU = torch.device("cpu")
 PROMPT = "make the circle red"
-DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
+DTYPES = [pytest.param(torch.float32, id="float32", marks=pytest.mark.slow), pytest.param(torch.bfloat16, id="bf16")]
 VERSIONS = {"tiny": "edit", "tiny-2509": "2509", "tiny-2511": "2511"}
 
 
@@ -132,7 +132,8 @@ def euler_check(adapter, pictures: list[Image.Image], dtype: torch.dtype) -> Non
     assert len(seen) == 3
 
 
-@pytest.mark.parametrize("name, count", [("tiny", 1), pytest.param("tiny-2509", 2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a 1024 x 1024 reference through the VAE and the transformer, three times
+@pytest.mark.parametrize("name, count", [("tiny", 1), ("tiny-2509", 2)])
 def test_predict_with_references_is_the_velocity_the_pipelines_euler_steps_integrate(loaded, name, count):
     """Every step of the version's pipeline given its references (for Plus two, of different aspect ratios) is
     x_next = x + (sigma_next - sigma) predict(x, references=[their latents]), bit for bit."""

@@ -142,12 +142,39 @@ class SDTrainerConfig(Section):
             elif rules is not None and len(references) > rules.slots:
                 problems.append((f"sample.prompts[{index}].references", f"{facts.title} takes at most {rules.slots} "
                                  f"reference image(s) per sample, not {len(references)}"))
+        if rules is not None and rules.in_text:
+            problems += self._text_reference_problems(facts)
         validation = self.validation
         paired = [d for d in self.datasets if d.control_path is not None and not d.control_optional]
         if (rules is not None and validation is not None and validation.folder_path is not None
                 and validation.control_path is None and paired):
             problems.append(("validation.control_path", "the training targets have references, so the held-out ones "
                              "need theirs: give the held-out references' folder(s)"))
+        return problems
+
+    def _text_reference_problems(self, facts) -> list[Problem]:
+        """Where the text encoder reads each sample's references with its caption, a caption's embedding is one per
+        (caption, references as the sample shows them): what a cache of them or one blank prompt cannot hold."""
+        problems = []
+        if self.train.blank_prompt_preservation:
+            problems.append(("train.blank_prompt_preservation", f"{facts.title} reads each sample's reference images "
+                             "with its prompt, so there is no one blank-prompt embedding to preserve; remove it"))
+        if not self.train.cache_text_embeddings:
+            return problems
+        for index, dataset in enumerate(self.datasets):
+            if dataset.control_path is None:
+                continue
+            for key in ("random_crop", "shuffle_tokens"):
+                if getattr(dataset, key):
+                    problems.append((f"datasets[{index}].{key}", f"with train.cache_text_embeddings, {facts.title}'s "
+                                     "text embeddings are cached per caption and reference image as trained; "
+                                     + ("a random crop changes the reference each draw" if key == "random_crop" else
+                                        "shuffled segments around the reference's tokens are not cached yet")
+                                     + ": turn one of them off"))
+            if dataset.token_dropout_rate:
+                problems.append((f"datasets[{index}].token_dropout_rate", f"with train.cache_text_embeddings, "
+                                 f"{facts.title}'s cached embeddings cannot drop segments around the reference's "
+                                 "tokens yet: turn one of them off"))
         return problems
 
     def _frame_problems(self, facts, arch: str) -> list[Problem]:

@@ -402,17 +402,47 @@ def same_slack_fraction(item: TrainItem, reference: Reference, variant: Variant 
     return Variant(left, top, variant.flip_x, variant.flip_y)
 
 
+def reference_picture(item: TrainItem, reference: Reference) -> Image.Image:
+    """A reference image file, upright (its EXIF orientation applied), in RGB."""
+    try:
+        with Image.open(reference.path) as opened:
+            ImageOps.exif_transpose(opened, in_place=True)
+            return opened.convert("RGB")
+    except Exception as err:
+        raise DatasetError(f"cannot read reference image {reference.path} (of {item.record.path}): {err}") from err
+
+
+def reference_views(item: TrainItem, variant: Variant | None, rules: ReferenceFacts) -> list[Image.Image]:
+    """The item's reference pictures as its variant shows them, at their own resolution: the part the trained
+    reference is made from (`reference_window`; a `target`-sized reference's covering crop mapped back), mirrored
+    alike. What a text encoder that reads the references is given (it sizes them its own way)."""
+    views = []
+    for reference in item.record.references:
+        picture = reference_picture(item, reference)
+        if rules.size == "target":
+            own = same_slack_fraction(item, reference, variant)
+            plan = crop_plan(reference.width, reference.height, item.bucket)
+            scale = plan.resized[0] / reference.width
+            box = (own.left / scale, own.top / scale, (own.left + item.bucket[0]) / scale,
+                   (own.top + item.bucket[1]) / scale)
+        else:
+            box = reference_window(item, reference, variant)
+        left, top, right, bottom = (round(value) for value in box)
+        view = picture.crop((left, top, max(right, left + 1), max(bottom, top + 1)))
+        if variant is not None and variant.flip_x:
+            view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if variant is not None and variant.flip_y:
+            view = view.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+        views.append(view)
+    return views
+
+
 def load_references(item: TrainItem, variant: Variant | None, rules: ReferenceFacts) -> list[torch.Tensor]:
     """The item's reference images as its variant shows them (`reference_sizes`, cropped with the target and
     mirrored alike), float [3, h, w] in [-1, 1] each, in slot order."""
     pictures = []
     for reference, size in zip(item.record.references, reference_sizes(item, rules)):
-        try:
-            with Image.open(reference.path) as opened:
-                ImageOps.exif_transpose(opened, in_place=True)
-                image = opened.convert("RGB")
-        except Exception as err:
-            raise DatasetError(f"cannot read reference image {reference.path} (of {item.record.path}): {err}") from err
+        image = reference_picture(item, reference)
         if rules.size == "target":
             own = same_slack_fraction(item, reference, variant)
             pixels = _fit(image, item.bucket, own)

@@ -7,6 +7,12 @@ embedding. So a resumed run sees exactly the captions an uninterrupted one saw, 
 sequences a live one sees (as far as the tokenizer allows: `view_positions`). A cached view that is the whole
 caption (no segment dropped or moved) is the entry as written; only views that move or drop segments need the
 entry's segment spans (`segment_spans`).
+
+Families whose text encoder reads each sample's reference images with its caption (Qwen-Image-Edit, `in_text`): an
+entry is one per (caption, references as the sample shows them): its key adds each reference file's digest and the
+variant's place and mirrors (`reference_key`); every variant a dataset can draw is encoded when the cache is built
+(the config refuses random crops and moved segments for them with a cache), the blank prompt with each sample's
+references where its dataset drops captions.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from toolkit.data.captions import (
     segment_ranges,
     split_segments,
 )
-from toolkit.data.dataset import ImageDataset, batch_of
+from toolkit.data.dataset import ImageDataset, Variant, batch_of, centre_variant, reference_views
 from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter, PromptEmbeds, TextRules, join_padded
@@ -77,7 +83,22 @@ class LiveCaptions:
                                blank=BLANK)
 
     def embeds_for(self, indices: list[int], epoch: int) -> PromptEmbeds:
-        return self.adapter.encode_prompts([self.caption(i, epoch) for i in indices])
+        captions = [self.caption(i, epoch) for i in indices]
+        if not reads_references(self.adapter):
+            return self.adapter.encode_prompts(captions)
+        return self.adapter.encode_prompts(captions, [self.reference_views(i, epoch) for i in indices])
+
+    def reference_views(self, index: int, epoch: int) -> list:
+        """The sample's reference pictures as it shows them this epoch (`reference_views`), for a text encoder that
+        reads them with the caption."""
+        return reference_views(self.dataset.items[index], self.dataset.variant(index, epoch),
+                               self.adapter.reference_rules)
+
+
+def reads_references(adapter: ModelAdapter) -> bool:
+    """Whether the family's text encoder reads each sample's reference images with its prompt (Qwen-Image-Edit)."""
+    rules = adapter.reference_rules
+    return rules is not None and rules.in_text
 
 
 def view_settings(cfg: DatasetConfig) -> dict:
@@ -219,15 +240,63 @@ class CachedCaptions:
         self.roots = roots
         self._recent = lru_cache(maxsize=RECENT_ENTRIES)(self._read)
         self.own_keys: dict[int, str] = {}
+        #: the text encoder reads each sample's references with its caption: entries are per caption and references
+        self.with_references = reads_references(adapter)
+        self._digests: dict[Path, str] = {}
         self.folder_of = {BLANK: roots[0]}
         for item in dataset.items:
             self.folder_of.setdefault(canonical_caption(item.record.caption), roots[item.dataset])
         if trigger_word:
             self.folder_of.setdefault(canonical_caption(trigger_word), roots[0])
+        #: entry key -> (caption, a sample and variant whose references it reads), where entries read references
+        self.readers: dict[str, tuple[str, int, Variant]] = {}
+        if self.with_references:
+            self.plan_reference_entries()
 
-    def path(self, caption: str) -> Path:
-        key = hashlib.sha256(f"{self.identity}|{caption}".encode()).hexdigest()[:32]
-        return self.folder_of[caption] / "text" / f"{key}.safetensors"
+    def path(self, key: str) -> Path:
+        digest = hashlib.sha256(f"{self.identity}|{key}".encode()).hexdigest()[:32]
+        return self.folder_of[key] / "text" / f"{digest}.safetensors"
+
+    def entry_key(self, caption: str, references: str) -> str:
+        """The key of a caption's entry read with references (`reference_key`; "" for none: the caption itself)."""
+        return f"{caption}\x00{references}" if references else caption
+
+    def reference_key(self, index: int, variant: Variant) -> str:
+        """What the text encoder is shown of a sample's references: each file's digest, the target's bucket and the
+        variant's crop and mirrors (its references' windows follow from them); "" where the family reads none."""
+        item = self.dataset.items[index]
+        if not self.with_references or not item.record.references:
+            return ""
+        digests = ",".join(self.digest(reference.path) for reference in item.record.references)
+        return (f"{digests}|{item.bucket[0]}x{item.bucket[1]}|{variant.left},{variant.top}|"
+                f"{int(variant.flip_x)}{int(variant.flip_y)}")
+
+    def digest(self, path: Path) -> str:
+        if path not in self._digests:
+            self._digests[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+        return self._digests[path]
+
+    def drawable_variants(self, index: int) -> list[Variant]:
+        """Every variant of a sample its dataset can draw, where its crop is fixed (the config refuses random crops
+        here): the centre, mirrored as its flips allow."""
+        item = self.dataset.items[index]
+        options, centre = self.dataset.options_for(item.dataset), centre_variant(item)
+        return [Variant(centre.left, centre.top, flip_x, flip_y) for flip_x in (False, True)[:1 + options.flip_x]
+                for flip_y in (False, True)[:1 + options.flip_y]]
+
+    def plan_reference_entries(self) -> None:
+        """The entries of a family that reads references: each sample's caption (and the blank prompt where its
+        dataset drops captions) with each variant of its references."""
+        for index, item in enumerate(self.dataset.items):
+            caption = self.own_key(index)
+            captions = [caption] + ([BLANK] if self.cfgs[item.dataset].caption_dropout_rate else [])
+            for variant in self.drawable_variants(index):
+                references = self.reference_key(index, variant)
+                for text in captions:
+                    key = self.entry_key(text, references)
+                    if key not in self.readers:
+                        self.readers[key] = (text, index, variant)
+                        self.folder_of.setdefault(key, self.folder_of[text])
 
     def moves_segments(self, index: int) -> bool:
         """Whether a sample's caption views may drop or move segments (its dataset shuffles or drops them), so that
@@ -244,19 +313,30 @@ class CachedCaptions:
                 if encoder_segments(self.adapter.text, key) is None:
                     raise self.segments_unknown(key, index)
                 checked.add(key)
-        captions = sorted(self.folder_of)
+        captions = sorted(self.readers) if self.with_references else sorted(self.folder_of)
         mine = [c for c in captions[accelerator.process_index :: accelerator.num_processes] if not self.path(c).is_file()]
         if accelerator.is_main_process:
             log.info("text-embedding cache: %d captions, %d to encode", len(captions), len(mine))
         chunks = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
         shown = accelerator.is_main_process and chunks and progress_bars_wanted()
         for chunk in tqdm(chunks, desc="caching text embeddings", disable=not shown):
-            embeds = self.adapter.encode_prompts(chunk)
-            for row, caption in enumerate(chunk):
-                self.write(caption, embeds, row)
+            embeds = self.encode(chunk)
+            for row, key in enumerate(chunk):
+                self.write(key, embeds, row)
         accelerator.wait_for_everyone()
 
-    def write(self, caption: str, embeds: PromptEmbeds, row: int) -> None:
+    def encode(self, keys: list[str]) -> PromptEmbeds:
+        """Entries' prompts encoded together: their captions, and where the family reads references, each one's
+        references as its sample's variant shows them."""
+        if not self.with_references:
+            return self.adapter.encode_prompts(keys)
+        readers = [self.readers[key] for key in keys]
+        return self.adapter.encode_prompts(
+            [caption for caption, _, _ in readers],
+            [reference_views(self.dataset.items[index], variant, self.adapter.reference_rules)
+             for _, index, variant in readers])
+
+    def write(self, key: str, embeds: PromptEmbeds, row: int) -> None:
         # where prompts keep their own length, the entry holds the prompt's own tokens, not its batch's padding
         end = int(embeds.lengths[row]) if self.adapter.text.variable_length else None
         tensors = {"embeds": embeds.embeds[row, :end].cpu().contiguous()}
@@ -265,10 +345,11 @@ class CachedCaptions:
         tensors["length"] = embeds.lengths[row].reshape(1).cpu()
         if embeds.pooled is not None:
             tensors["pooled"] = embeds.pooled[row].cpu().contiguous()
-        spans = segment_spans(self.adapter.text, caption, int(embeds.lengths[row]))
-        if spans is not None:  # kept where they can be told, for any dataset that shuffles this caption
-            tensors["segment_spans"] = spans
-        write_atomic(self.path(caption), lambda tmp: save_file(tensors, str(tmp)))
+        if not self.with_references:  # (the config refuses moved segments where the references are read too)
+            spans = segment_spans(self.adapter.text, key, int(embeds.lengths[row]))
+            if spans is not None:  # kept where they can be told, for any dataset that shuffles this caption
+                tensors["segment_spans"] = spans
+        write_atomic(self.path(key), lambda tmp: save_file(tensors, str(tmp)))
 
     def load(self, caption: str) -> dict[str, torch.Tensor]:
         """A cached entry; the most used ones (blank prompt, trigger word, frequent captions) stay in
@@ -337,14 +418,15 @@ class CachedCaptions:
         moved (`view_positions`), its mask and length to match; the pooled embedding stays the whole caption's."""
         key = self.own_key(index)
         cfg = self.cfgs[self.dataset.items[index].dataset]
+        references = self.reference_key(index, self.dataset.variant(index, epoch)) if self.with_references else ""
         if not draws_views(cfg):  # every view is the whole caption: the entry as written
-            return dict(self.load(key))
+            return dict(self.load(self.entry_key(key, references)))
         segments = split_segments(key)
         plan = plan_caption_view(segments, seeded_generator(self.seed, "caption", epoch, index),
                                  **view_settings(cfg), trigger_word=self.trigger_word)
         if plan.blank:
-            return self.load(BLANK)
-        entry = self.load(key)
+            return self.load(self.entry_key(BLANK, references))
+        entry = self.load(self.entry_key(key, references))
         if plan.order == tuple(range(len(segments))):  # the whole caption: the entry as written, no spans needed
             return dict(entry)
         embeds, length = entry["embeds"], int(entry["length"])

@@ -30,6 +30,9 @@ class ReferenceFacts:
     multiple: int = 16
     #: a `budget` reference's pixel area: None for its target's bucket's area
     area: int | None = None
+    #: the text encoder reads the references with the prompt (Qwen-Image-Edit): a prompt's embedding depends on its
+    #: sample's references, so text caches are keyed by them too
+    in_text: bool = False
 
 
 @dataclass(frozen=True)

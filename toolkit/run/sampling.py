@@ -147,7 +147,8 @@ class SampleRenderer:
                                             disable=not progress)):
             seed = self.seed_for(index)
             given = conditioning[index] if conditioning else None
-            text = given if given is not None else {"prompt": prompt, "negative_prompt": self.cfg.neg or None}
+            text = given if given is not None else {
+                "prompt": prompt, "negative_prompt": adapter.sampling.negative_prompt(self.cfg.neg) or None}
             guidance = (adapter.sampling.default_guidance_scale if self.cfg.guidance_scale is None
                         else self.cfg.guidance_scale)
             steps = self.steps(adapter)

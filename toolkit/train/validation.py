@@ -32,6 +32,7 @@ from toolkit.data.dataset import (
     load_pixels,
     load_references,
     reference_sizes,
+    reference_views,
     scan_folder,
 )
 from toolkit.device import to_device
@@ -182,7 +183,16 @@ class Validation:
         if self.adapter.text_encoders_train:
             return
         for batch in self.batches:
-            batch.embeds = self.adapter.encode_prompts(batch.captions).to(self.adapter.device)
+            batch.embeds = self.prompt_embeds(batch).to(self.adapter.device)
+
+    def prompt_embeds(self, batch: HeldOutBatch) -> PromptEmbeds:
+        """A batch's captions encoded; where the text encoder reads the references too, with the held-out samples'
+        references (as their centre variant shows them)."""
+        rules = self.references
+        if rules is None or not rules.in_text:
+            return self.adapter.encode_prompts(batch.captions)
+        return self.adapter.encode_prompts(batch.captions, [reference_views(self.items[row], None, rules)
+                                                            for row in batch.rows])
 
     @torch.no_grad()
     def losses(self, module: torch.nn.Module) -> torch.Tensor:
@@ -192,7 +202,7 @@ class Validation:
         table = torch.zeros(len(self.items), len(self.levels), dtype=torch.float32)
         embeds = {batch.number: batch.embeds for batch in self.batches}
         if any(e is None for e in embeds.values()):
-            embeds = {batch.number: adapter.encode_prompts(batch.captions) for batch in self.batches}
+            embeds = {batch.number: self.prompt_embeds(batch) for batch in self.batches}
         for k, u in enumerate(self.levels):
             for batch in self.batches:
                 latents = batch.latents

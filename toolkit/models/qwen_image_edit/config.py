@@ -12,7 +12,7 @@ from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOpt
 #: the pipelines' reference area (`VAE_IMAGE_SIZE`, 1024 x 1024) at the reference's own aspect ratio, sides multiples
 #: of 32 (`calculate_dimensions`); up to three references (the Plus models; the first version takes one); a sample
 #: without one trains from its instruction alone
-REFERENCES = ReferenceFacts(slots=3, optional=True, size="budget", multiple=32, area=1024 * 1024)
+REFERENCES = ReferenceFacts(slots=3, optional=True, size="budget", multiple=32, area=1024 * 1024, in_text=True)
 FACTS = FamilyFacts(title="Qwen-Image-Edit", references=REFERENCES)
 
 #: the versions, as `model.version` names them
