@@ -1,9 +1,9 @@
-"""Two-process checks in one launch: the transformer families (FLUX.1 Kontext on edit pairs too, and the Wuerstchen
-prior), SDXL with its text encoders trained, a LoKr with module dropout, bf16 runs of SD 1.5 and FLUX.1 (qint8 base)
-and an fp16 run of SD 1.5, with samples. The job files run in turn in the same two processes (gloo), so the launch's
-start-up (two interpreters importing torch, diffusers and transformers) is paid once rather than once per job. Each job
-is its family's own test configuration; every process's trained weights are recorded at the end, and must be the same
-on both."""
+"""Two-process checks in one launch: the transformer families (FLUX.1 Kontext and Qwen-Image-Edit on edit pairs too,
+and the Wuerstchen prior), SDXL with its text encoders trained, a LoKr with module dropout, bf16 runs of SD 1.5 and
+FLUX.1 (qint8 base) and an fp16 run of SD 1.5, with samples. The job files run in turn in the same two processes
+(gloo), so the launch's start-up (two interpreters importing torch, diffusers and transformers) is paid once rather
+than once per job. Each job is its family's own test configuration; every process's trained weights are recorded at
+the end, and must be the same on both."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from helpers import REPO, launch, trainer_process, write_job
 from safetensors.torch import load_file
 from test_flux_kontext_training import kontext_process
 from test_flux_training import flux_process
+from test_qwen_image_edit_training import edit_process
 from test_qwen_image_training import qwen_process
 from test_sdxl_training import sdxl_process
 from test_text_encoder_lora import cosine_factor
@@ -44,6 +45,9 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
         # edit pairs split over the processes, each sample with its reference latent (cached, flips drawn)
         "flux_kontext": kontext_process(tmp_path / "flux_kontext", train={"steps": 3, "lr_scheduler": "linear",
                                                                           "cache_text_embeddings": True}),
+        # the text encoder reads each pair's reference: text entries per caption and reference, shared out
+        "qwen_image_edit": edit_process(tmp_path / "qwen_image_edit", train={"steps": 3, "lr_scheduler": "linear",
+                                                                             "cache_text_embeddings": True}),
         "qwen_image": qwen_process(tmp_path / "qwen_image", model={"quantize": True, "qtype": "qint8"},
                                    train={"steps": 3, "cache_text_embeddings": True, "lr_scheduler": "linear"}),
         # 8 images, batch 1, 2 processes: 4 updates per epoch; 6 updates
@@ -80,7 +84,7 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     jobs["flux_bf16"] = flux_process(tmp_path / "flux_bf16", "tiny-schnell",
                                      model={"dtype": "bf16", "quantize": True, "qtype": "qint8"},
                                      train={"steps": 3, "dtype": "bf16"}, **half)
-    for name in ("flux", "flux_kontext", "qwen_image", "wan", "wan21", "sdxl_te"):
+    for name in ("flux", "flux_kontext", "qwen_image", "qwen_image_edit", "wan", "wan21", "sdxl_te"):
         jobs[name]["datasets"][0]["cache_latents"] = True
     jobs["flux_kontext"]["datasets"][0]["flip_x"] = True
     paths = [str(write_job(tmp_path / f"{name}.yaml", name, process)) for name, process in jobs.items()]
@@ -112,7 +116,7 @@ def test_each_family_trains_on_two_processes(tmp_path, tiny_wuerstchen):
     assert recorded == {"rank0": {"sampling_models": True, "sampling_transformer": True},
                         "rank1": {"sampling_models": False, "sampling_transformer": False}}
     assert [r["step"] for r in records("zimage")] == [1, 2, 3, 4]
-    for name in ("flux", "flux_kontext", "qwen_image"):
+    for name in ("flux", "flux_kontext", "qwen_image", "qwen_image_edit"):
         assert [r["lr"] for r in records(name)] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3]), name
     assert [r["step"] for r in records("wuerstchen")] == list(range(1, 7))
     factors = [cosine_factor(k, warmup=1, total=4) for k in range(4)]

@@ -49,7 +49,7 @@ def full_size(arch: str) -> torch.nn.Module:
             return UNet2DConditionModel(**{"sd15": SD15_FULL, "sdxl": SDXL_FULL}[arch]["unet"])
         if arch in ("flux", "flux_kontext"):  # FLUX.1 Kontext [dev]: the [dev] transformer's config
             return FluxTransformer2DModel(**FLUX_FULL["transformer"])
-        if arch == "qwen_image":
+        if arch in ("qwen_image", "qwen_image_edit"):  # the editing models keep Qwen-Image's transformer
             return QwenImageTransformer2DModel(**QWEN_IMAGE_FULL["transformer"])
         if arch == "wan":
             return WanTransformer3DModel(**WAN22_A14B_FULL["transformers"][0])
@@ -60,7 +60,7 @@ def default_targets(arch: str, module: torch.nn.Module, family) -> list[str]:
     """The family's default LoRA targets for this module (FLUX.1's and Qwen-Image's depend on its block count)."""
     if arch in ("flux", "flux_kontext"):
         return flux_lora_targets(module)
-    if arch == "qwen_image":
+    if arch in ("qwen_image", "qwen_image_edit"):
         return qwen_lora_targets(len(module.transformer_blocks))
     if arch == "wan":
         return [f"blocks.{i}.{target}" for i in range(len(module.blocks)) for target in wan_block_targets]
@@ -191,6 +191,22 @@ def test_flux_kontext_primary_names_are_flux_ones_and_the_kontext_pipeline_reads
     assert {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in weights} == set(adapted)
 
 
+@pytest.mark.slow  # two full-size 20B transformers on the meta device with their LoRA
+def test_qwen_image_edit_primary_names_are_qwen_image_ones_and_both_edit_pipelines_read_them():
+    """Qwen-Image-Edit's LoRA is written in Qwen-Image's form (ComfyUI loads edit LoRAs under the same names): the same
+    names for the full-size transformer, read back by QwenImageEditPipeline's and QwenImageEditPlusPipeline's
+    loaders."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    network = NetworkConfig(linear=4, linear_alpha=4)
+    _, edit, adapted = primary_state("qwen_image_edit", network)
+    _, plain, _ = primary_state("qwen_image", network)
+    assert edit.keys() == plain.keys() and len(adapted) == 60 * 12 - 4
+    for pipeline in (QwenImageEditPipeline, QwenImageEditPlusPipeline):
+        weights = pipeline.lora_state_dict(dict(edit))
+        assert {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in weights} == set(adapted)
+
+
 def test_qwen_image_primary_names_are_comfyuis_for_the_full_size_transformer():
     """ComfyUI's Qwen-Image model keeps diffusers' module paths and maps LoRAs by `diffusion_model.<path>`
     (lora_down / lora_up / alpha); QwenImagePipeline's converter reads the same names back. On the full-size 20B
@@ -245,6 +261,7 @@ def test_the_full_size_qwen_image_text_encoder_feeds_the_transformer():
     assert encoder.config.text_config.hidden_size == QWEN_IMAGE_FULL["transformer"]["joint_attention_dim"] == 3584
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "wan"])
+@pytest.mark.parametrize("arch", ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_edit",
+                                  "wan"])
 def test_the_primary_form_is_the_comfy_form_for_these_families(arch):
     assert get_adapter_class(arch).files.primary == "comfy"

@@ -252,6 +252,52 @@ def test_reference_images_for_a_family_without_them_are_refused_by_key():
         import_aitoolkit(data, name="k")
 
 
+def test_ai_toolkit_qwen_image_edit_archs_become_the_version_and_reference_size_it_trains():
+    """`qwen_image_edit` is the first version, its reference sized to the target as ai-toolkit sizes it; the Plus arch
+    leaves the version to the model's files (a single file takes the arch's `:2511` tag), its references at the
+    pipelines' 1024 x 1024 unless `match_target_res`; its samples' `ctrl_img_1..3` are their references."""
+    first = imported("aitoolkit_example_qwen_image_edit.yaml").process
+    assert (first["model"]["version"], first["model"]["reference_pixels"]) == ("edit", "target")
+    assert first["sample"]["prompts"][0] == {"prompt": "do the thing to it", "references": ["/path/to/control/image.jpg"]}
+    plus = imported("aitoolkit_example_qwen_image_edit_2509.yaml").process
+    assert "version" not in plus["model"] and "reference_pixels" not in plus["model"]
+    assert plus["datasets"][0]["control_path"] == [f"/path/to/control/images/folder{i}" for i in (1, 2, 3)]
+    assert plus["sample"]["prompts"][0]["references"] == ["/path/to/image1.png", "/path/to/image2.png"]
+    data = read_raw(FIXTURES / "aitoolkit_example_qwen_image_edit_2509.yaml")
+    model = data["config"]["process"][0]["model"]
+    model.update(arch="qwen_image_edit_plus:2511", name_or_path="/models/edit.safetensors",
+                 model_kwargs={"match_target_res": True})
+    converted = import_aitoolkit(data, name="q").process["model"]
+    assert (converted["version"], converted["reference_pixels"]) == ("2511", "target")
+
+
+@pytest.mark.slow
+def test_the_imported_qwen_image_edit_plus_example_trains_on_pairs_with_both_caches(tmp_path, registry):
+    """ai-toolkit's Edit-2509 example, imported and pointed at the tiny 2509 preset, the shipped pairs and this
+    machine (one reference folder, steps cut to 2, float quantization for the CPU): trains with the text embeddings
+    cached per instruction and reference, and renders its sample from its references."""
+    from test_flux_kontext_training import shipped_pairs
+
+    out = tmp_path / "edit.yaml"
+    assert run.main(["--import-config", str(FIXTURES / "aitoolkit_example_qwen_image_edit_2509.yaml"), "-o",
+                     str(out)]) == 0
+    job = yaml.safe_load(out.read_text())
+    process = job["config"]["process"][0]
+    targets, references = shipped_pairs(tmp_path / "pairs")
+    process["model"].update(name_or_path="tiny-2509", qtype="qint8", reference_pixels=4096, dtype="fp32")
+    process["datasets"][0].update(folder_path=str(targets), control_path=[str(references)], resolution=[64])
+    process.update(training_folder=str(tmp_path / "output"), device="cpu")
+    process["train"].update(steps=2, optimizer="adamw", dtype="fp32")
+    first = dict(process["sample"]["prompts"][0], references=[str(references / "00_circle.png")])
+    process["sample"].update(width=32, height=32, sample_steps=2, prompts=[first], sample_at_start=False)
+    process["save"].update(save_every=2)
+    out.write_text(json.dumps(job))
+    assert run.main([str(out)]) == 0
+    folder = tmp_path / "output" / job["config"]["name"]
+    assert [r["step"] for r in read_metrics(folder / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert (folder / "samples" / "step_000000002_0.png").is_file()
+
+
 @pytest.mark.slow
 def test_the_imported_kontext_example_trains_on_pairs_and_renders_from_its_reference(tmp_path, registry):
     """ai-toolkit's Kontext example, imported and pointed at the tiny preset, the shipped pairs and this machine

@@ -24,7 +24,7 @@ from toolkit.run.metrics import read_metrics
 EXAMPLES = REPO / "config" / "examples"
 #: each family's tiny example, as a user runs it
 FAMILY_EXAMPLES = {"sd15": "quickstart", "sdxl": "sdxl_lora_tiny", "flux": "flux_lora_tiny",
-                   "flux_kontext": "flux_kontext_lora_tiny",
+                   "flux_kontext": "flux_kontext_lora_tiny", "qwen_image_edit": "qwen_image_edit_lora_tiny",
                    "zimage": "zimage_lora_tiny", "qwen_image": "qwen_image_lora_tiny", "wan": "wan_lora_tiny",
                    "wuerstchen": "wuerstchen_prior_tiny"}
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -27,12 +27,12 @@ TRAINING_TYPES = ("sd_trainer", "diffusion_trainer", "ui_trainer")
 
 #: ai-toolkit arch (without its `:tag`) -> difftune family
 FAMILIES = {"sd1": "sd15", "sd15": "sd15", "sdxl": "sdxl", "ssd": "sdxl", "vega": "sdxl", "flux": "flux",
-            "flex1": "flux", "flux_kontext": "flux_kontext", "qwen_image": "qwen_image", "zimage": "zimage", "wan21": "wan", "wan22_5b": "wan",
+            "flex1": "flux", "flux_kontext": "flux_kontext", "qwen_image_edit": "qwen_image_edit",
+            "qwen_image_edit_plus": "qwen_image_edit", "qwen_image": "qwen_image", "zimage": "zimage", "wan21": "wan", "wan22_5b": "wan",
             "wan22_14b": "wan"}
 #: ai-toolkit archs difftune has no family for, by name
 UNSUPPORTED = {"sd2": "Stable Diffusion 2.x", "sd3": "Stable Diffusion 3/3.5", "flex2": "Flex.2", "chroma": "Chroma", "chroma_radiance": "Chroma Radiance", "flux2": "FLUX.2",
-               "flux2_klein_4b": "FLUX.2 klein", "flux2_klein_9b": "FLUX.2 klein", "qwen_image_edit":
-               "Qwen-Image-Edit", "qwen_image_edit_plus": "Qwen-Image-Edit-Plus", "zimage_l2p": "Z-Image pixel space",
+               "flux2_klein_4b": "FLUX.2 klein", "flux2_klein_9b": "FLUX.2 klein", "zimage_l2p": "Z-Image pixel space",
                "wan21_i2v": "Wan 2.1 image-to-video", "wan22_14b_i2v": "Wan 2.2 image-to-video",
                "lumina2": "Lumina-Image 2.0", "pixart": "PixArt", "pixart_sigma": "PixArt-Sigma",
                "auraflow": "AuraFlow", "hidream": "HiDream", "hidream_e1": "HiDream-E1", "omnigen2": "OmniGen2",
@@ -50,7 +50,7 @@ VARIANTS = {"ssd": "SSD-1B, a distilled SDXL: difftune loads it as sdxl from its
                      "job says bypass_guidance_embedding: true (its Flex example and UI do), and the import writes what "
                      "this job says. difftune's own default bypasses it for a Flex.1 base"}
 #: ai-toolkit archs whose training scheduler stretches its shifted schedule to a terminal value
-TERMINAL_SHIFT = frozenset({"qwen_image"})
+TERMINAL_SHIFT = frozenset({"qwen_image", "qwen_image_edit", "qwen_image_edit_plus"})
 #: ai-toolkit Wan archs whose samples round a frame count down to 4k + 1 (diffusers' pipelines round 40 up to 41),
 #: always or with model.low_vram (its own pipeline then), and how
 FRAMES_ROUNDED_DOWN = {"wan22_5b": "its Wan 2.2 5B model rounds down"}
@@ -131,7 +131,8 @@ def import_aitoolkit(data: dict[str, Any], name: str = "") -> Conversion:
         out.rows.append(Row("meta", "-> meta (copied as it is)"))
     source = Source(process, leaves=LEAVES)
     family, arch = family_of(source)
-    job = AiToolkitJob(source, out, family, arch)
+    tag = str(source.values.get("model.arch", "")).partition(":")[2] or None  # e.g. qwen_image_edit_plus:2511
+    job = AiToolkitJob(source, out, family, arch, tag)
     try:
         job.convert()
     except ImportRefused:
@@ -197,9 +198,9 @@ class AiToolkitJob(Rules):
 
     same_as_difftune = SAME_AS_DIFFTUNE
 
-    def __init__(self, source: Source, out: Conversion, family: str, arch: str):
+    def __init__(self, source: Source, out: Conversion, family: str, arch: str, tag: str | None = None):
         super().__init__(source, out)
-        self.family, self.arch = family, arch
+        self.family, self.arch, self.tag = family, arch, tag
         self.facts = family_facts(family)
         #: a flow-matching family: ai-toolkit builds its LoRA with alpha = rank (ignoring `linear_alpha`) and reads
         #: `timestep_type` for it (with `noise_scheduler: flowmatch`); the DDPM UNets it trains the other way
@@ -323,10 +324,41 @@ class AiToolkitJob(Rules):
                 out.dropped(f"model.{key}", "difftune reads every part from model.name_or_path (a full model folder "
                                             "or hub id; a single file takes model.single_file_config)")
                 out.check(f"model.{key} ({value}): point model.name_or_path at a complete model (folder or hub id)")
+        if self.family == "qwen_image_edit":
+            self.edit_model()
         self.experts()
         compile_ = self.take("model.compile")
         if compile_ is not MISSING:
             out.mapped("model.compile", "train.compile", bool(compile_))
+
+    def edit_model(self) -> None:
+        """Qwen-Image-Edit: ai-toolkit's `qwen_image_edit` is the first version, `qwen_image_edit_plus` the Plus ones
+        (difftune reads 2509 or 2511 from the model's files; a single file takes the arch's `:2511` tag, else 2509).
+        ai-toolkit sizes the first version's reference to its target, and the Plus ones' to 1024 x 1024 unless
+        `model_kwargs.match_target_res` asks for the target's area."""
+        out = self.out
+        kwargs = self.take("model.model_kwargs", {}) or {}
+        name = str(self.src.values.get("model.name_or_path", ""))
+        if self.arch == "qwen_image_edit":
+            out.put("model.version", "edit")
+            out.rows.append(Row("model.arch", "-> model.version = 'edit'  (ai-toolkit arch 'qwen_image_edit')"))
+            out.put("model.reference_pixels", "target")
+            out.rows.append(Row("(default)", "-> model.reference_pixels = 'target'  (ai-toolkit resizes the first "
+                                "version's reference to its target)"))
+        elif name.endswith((".safetensors", ".ckpt")):
+            tag = str(self.tag or "")
+            version = "2511" if "2511" in tag or "2511" in name else "2509"
+            out.put("model.version", version)
+            out.rows.append(Row("model.arch", f"-> model.version = '{version}'  (a single file: from the arch's tag "
+                                "or the file's name)"))
+        if self.arch == "qwen_image_edit_plus" and kwargs.get("match_target_res"):
+            out.mapped("model.model_kwargs", "model.reference_pixels", "target", "match_target_res")
+        elif self.src.has("model.model_kwargs"):
+            out.dropped("model.model_kwargs", "no option of this model in difftune" if kwargs else "empty")
+        if self.arch == "qwen_image_edit_plus":
+            out.check("model.arch qwen_image_edit_plus: ai-toolkit gives the Plus models' text encoder and VAE each "
+                      "reference as its file is (uncropped, unmirrored); difftune crops and mirrors it with its target "
+                      "(flip_x, random_crop)")
 
     def quantization_type(self, key: str) -> None:
         value = self.take(f"model.{key}")
@@ -343,12 +375,15 @@ class AiToolkitJob(Rules):
                        f"adapter): imported as {nearest}")
 
     def experts(self) -> None:
-        high = self.take("model.model_kwargs", {}) or {}
+        if "model.model_kwargs" in self.src.read:  # read for this model already (edit_model)
+            high = {}
+        else:
+            high = self.take("model.model_kwargs", {}) or {}
         every = self.take("train.switch_boundary_every")
         if self.arch not in EXPERT_ARCHS:
             if high:
                 self.out.dropped("model.model_kwargs", "no options of this kind for this model in difftune")
-            elif self.src.has("model.model_kwargs"):
+            elif self.src.has("model.model_kwargs") and not any(r.source == "model.model_kwargs" for r in self.out.rows):
                 self.out.dropped("model.model_kwargs", "empty")
             if every is not MISSING:
                 self.out.dropped("train.switch_boundary_every", "ai-toolkit ignores it for this model")
@@ -543,8 +578,8 @@ class AiToolkitJob(Rules):
         for source in sources:
             out.mapped(source, f"{at}.control_path", target)
         out.check(f"{at}.control_path: ai-toolkit trains a target whose reference is missing anyway (Kontext with a "
-                  "blank one); difftune names every such target and stops, unless datasets[].control_optional: true "
-                  "(then they train without one)")
+                  "blank one, the Plus models with fewer); difftune names every such target and stops, unless "
+                  "datasets[].control_optional: true (then they train without one)")
 
     def dataset_frames(self, at: str) -> None:
         """ai-toolkit extracts a clip's num_frames as they are, and Wan's VAE encodes the 4k + 1 at or below that

@@ -166,14 +166,15 @@ class QwenImageEditAdapter(QwenImageAdapter):
     sampling_parts = QwenImageEditSampling
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, processor, source: str,
-                 version: EditVersion, reference_pixels: int | None = None):
+                 version: EditVersion, reference_pixels: int | str | None = None):
         super().__init__(transformer, vae, text_encoder, tokenizer, scheduler, source)
         self.processor = processor
         self.version = version
         #: resizes the text encoder's reference images as the pipelines do
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * 2)
-        area = reference_pixels or FACTS.references.area
-        #: the references' rule for this model: one slot for the first version, `model.reference_pixels`' area
+        area = None if reference_pixels == "target" else reference_pixels or FACTS.references.area
+        #: the references' rule for this model: one slot for the first version, `model.reference_pixels`' area (None:
+        #: each target's)
         self._reference_rules = dataclasses.replace(FACTS.references, slots=version.slots, area=area)
 
     @property

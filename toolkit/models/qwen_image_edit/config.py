@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from toolkit.config.base import Problem, aka
 from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOptions, ReferenceFacts, is_single_file
@@ -37,10 +37,17 @@ class QwenImageEditModelConfig(QuantizedBaseOptions, ModelConfigBase):
         "Read from a diffusers folder (its pipeline class, and the transformer's config for 2511), where a value "
         "given here must agree; needed for a single file, which does not tell.",
         json_schema_extra=aka("edit_version"))
-    reference_pixels: int | None = Field(
-        None, ge=64 * 64, description="The pixel area each reference image is trained at (its own aspect ratio kept, "
-        "sides multiples of 32). Default the pipelines' 1024 x 1024, which samples use too; a smaller area (e.g. the "
-        "training resolution's) trains faster on references the model then sees larger at inference.")
+    reference_pixels: int | Literal["target"] | None = Field(
+        None, description="The pixel area each reference image is trained at (its own aspect ratio kept, sides "
+        "multiples of 32): a number, or `target` for its target's bucket's area. Default the pipelines' 1024 x 1024, "
+        "which samples use too; a smaller area trains faster on references the model then sees larger at inference.")
+
+    @field_validator("reference_pixels")
+    @classmethod
+    def _an_area(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 64 * 64:
+            raise ValueError("give an area of at least 4096 pixels (64 x 64), or `target`")
+        return value
 
     facts: ClassVar[FamilyFacts] = FACTS
 
