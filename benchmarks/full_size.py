@@ -211,6 +211,7 @@ def presets(size: str) -> dict[str, dict]:
     from toolkit.models.flux.tiny import TINY_FLUX_DEV, build_flux
     from toolkit.models.flux_kontext.tiny import TINY_FLUX_KONTEXT, build_flux_kontext
     from toolkit.models.qwen_image.tiny import TINY_QWEN_IMAGE, build_qwen_image
+    from toolkit.models.qwen_image_edit.tiny import TINY_QWEN_IMAGE_EDIT_2509, build_qwen_image_edit
     from toolkit.models.sd15.tiny import TINY_SD15, build_sd15
     from toolkit.models.sdxl.tiny import TINY_SDXL, build_sdxl
     from toolkit.models.wan.tiny import TINY_WAN21, TINY_WAN22_5B, TINY_WAN22_A14B, build_wan
@@ -236,6 +237,13 @@ def presets(size: str) -> dict[str, dict]:
         "qwen_image": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
                        "resolution": 1024 if full else 64, "folder": "qwen_image",
                        "model": {"arch": "qwen_image", "quantize": True, "qtype": "qfloat8"}},
+        # Edit-2509 on pairs: the Qwen-Image model with a processor, one 1024 x 1024 reference per target
+        "qwen_image_edit": {"preset": {**QWEN_IMAGE_FULL, "pipeline": "QwenImageEditPlusPipeline",
+                                       "vision_tokens": TINY_QWEN_IMAGE_EDIT_2509["vision_tokens"]}
+                            if full else TINY_QWEN_IMAGE_EDIT_2509, "build": build_qwen_image_edit,
+                            "resolution": 1024 if full else 64, "references": True,
+                            "model": {"arch": "qwen_image_edit", "quantize": True, "qtype": "qint4",
+                                      **({} if full else {"reference_pixels": 4096})}},
         "qwen_image_qint4": {"preset": QWEN_IMAGE_FULL if full else TINY_QWEN_IMAGE, "build": build_qwen_image,
                              "resolution": 1024 if full else 64, "folder": "qwen_image",
                              "model": {"arch": "qwen_image", "quantize": True, "qtype": "qint4"}},
@@ -513,7 +521,7 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_qint4", "qwen_image_qint8", "qwen_image_fsdp",
+    names = ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_edit", "qwen_image_qint4", "qwen_image_qint8", "qwen_image_fsdp",
              "wan21", "wan22_5b"]
     parser.add_argument("--models", nargs="+", default=names, choices=[*names, "wan22_a14b"])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])

@@ -137,7 +137,7 @@ def test_full_size_script_runs_the_real_job_path_on_tiny_presets(tmp_path, tiny_
     assert full_size(["--size", "tiny", "--device", "cpu", "--updates", "3", "--warmup", "1", "--images", "2",
                       "--rank", "4", "--json", str(out)]) == 0
     models = json.loads(out.read_text())["models"]
-    assert set(models) == {"sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_qint4", "qwen_image_qint8",
+    assert set(models) == {"sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_edit", "qwen_image_qint4", "qwen_image_qint8",
                            "qwen_image_fsdp", "wan21", "wan22_5b"}
     assert models["wan21"]["frames"] == 5
     assert models["qwen_image_fsdp"]["processes"] == 2  # on the CPU: two gloo processes, launched as on GPUs

@@ -49,6 +49,10 @@ VARIANTS = {"ssd": "SSD-1B, a distilled SDXL: difftune loads it as sdxl from its
             "flex1": "Flex.1 trains as flux; ai-toolkit leaves its guidance embedding out of training only where the "
                      "job says bypass_guidance_embedding: true (its Flex example and UI do), and the import writes what "
                      "this job says. difftune's own default bypasses it for a Flex.1 base"}
+#: ai-toolkit's Qwen-Image-Edit archs: the first version (its reference resized to its target), and the Plus models
+#: (2509 or 2511, read from the model's files; their references at the pipelines' size unless match_target_res)
+EDIT_FIRST, EDIT_PLUS = "qwen_image_edit", "qwen_image_edit_plus"
+EDIT_ARCHS = frozenset({EDIT_FIRST, EDIT_PLUS})
 #: ai-toolkit archs whose training scheduler stretches its shifted schedule to a terminal value
 TERMINAL_SHIFT = frozenset({"qwen_image", "qwen_image_edit", "qwen_image_edit_plus"})
 #: ai-toolkit Wan archs whose samples round a frame count down to 4k + 1 (diffusers' pipelines round 40 up to 41),
@@ -324,7 +328,7 @@ class AiToolkitJob(Rules):
                 out.dropped(f"model.{key}", "difftune reads every part from model.name_or_path (a full model folder "
                                             "or hub id; a single file takes model.single_file_config)")
                 out.check(f"model.{key} ({value}): point model.name_or_path at a complete model (folder or hub id)")
-        if self.family == "qwen_image_edit":
+        if self.arch in EDIT_ARCHS:
             self.edit_model()
         self.experts()
         compile_ = self.take("model.compile")
@@ -339,7 +343,7 @@ class AiToolkitJob(Rules):
         out = self.out
         kwargs = self.take("model.model_kwargs", {}) or {}
         name = str(self.src.values.get("model.name_or_path", ""))
-        if self.arch == "qwen_image_edit":
+        if self.arch == EDIT_FIRST:
             out.put("model.version", "edit")
             out.rows.append(Row("model.arch", "-> model.version = 'edit'  (ai-toolkit arch 'qwen_image_edit')"))
             out.put("model.reference_pixels", "target")
@@ -351,11 +355,11 @@ class AiToolkitJob(Rules):
             out.put("model.version", version)
             out.rows.append(Row("model.arch", f"-> model.version = '{version}'  (a single file: from the arch's tag "
                                 "or the file's name)"))
-        if self.arch == "qwen_image_edit_plus" and kwargs.get("match_target_res"):
+        if self.arch == EDIT_PLUS and kwargs.get("match_target_res"):
             out.mapped("model.model_kwargs", "model.reference_pixels", "target", "match_target_res")
         elif self.src.has("model.model_kwargs"):
             out.dropped("model.model_kwargs", "no option of this model in difftune" if kwargs else "empty")
-        if self.arch == "qwen_image_edit_plus":
+        if self.arch == EDIT_PLUS:
             out.check("model.arch qwen_image_edit_plus: ai-toolkit gives the Plus models' text encoder and VAE each "
                       "reference as its file is (uncropped, unmirrored); difftune crops and mirrors it with its target "
                       "(flip_x, random_crop)")
