@@ -334,3 +334,21 @@ def test_gpu_sets_must_not_share_a_device():
     assert gpu_set_problem([]) is None and gpu_set_problem(["0,1", "2,3"]) is None
     assert "share device 1" in gpu_set_problem(["0,1", "1,2"])
     assert "device ids" in gpu_set_problem(["0,,1"])
+
+
+def test_a_samples_references_come_with_it_in_slot_order(tmp_path):
+    """The run page's samples carry their prompt's reference images (kept by the sampler in samples/ as
+    reference_<prompt>_<slot>), served from the run's files; a prompt without references has none."""
+    from PIL import Image
+
+    from toolkit.ui.runs import RunReader
+
+    samples = tmp_path / "out" / "edit" / "samples"
+    samples.mkdir(parents=True)
+    (samples.parent / "status.json").write_text("{}")
+    for name in ("step_000000002_0.png", "step_000000002_1.png", "reference_0_1.jpg", "reference_0_0.png"):
+        Image.new("RGB", (4, 4)).save(samples / name)
+    found = RunReader(tmp_path / "out").samples(samples.parent, "edit")
+    by_prompt = {s["index"]: s["references"] for s in found}
+    assert by_prompt == {0: ["/runs/edit/files/samples/reference_0_0.png", "/runs/edit/files/samples/reference_0_1.jpg"],
+                         1: []}
