@@ -205,3 +205,20 @@ def test_a_missing_reference_folder_is_named_before_anything_loads(tmp_path, mon
     with caplog.at_level(logging.ERROR, logger="difftune"):
         assert main([str(path)]) == 1
     assert "datasets[0].control_path: folder not found: absent" in caplog.text
+
+
+def test_more_references_than_the_loaded_model_takes_are_refused_by_key(tmp_path, monkeypatch, registry):
+    """Qwen-Image-Edit's family takes three references, its first version one: known once the model's files are
+    read, then two folders, or a sample with two references, are refused by key."""
+    from jobs.process.base_sd_train_process import refuse_extra_references
+    from toolkit.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "refs2").mkdir()
+    path = job_with(tmp_path, "arch: qwen_image_edit, name_or_path: tiny", ", control_path: [refs, refs2]")
+    config, _ = load_config(str(path), registry)
+    process = config.config.process[0]
+    refuse_extra_references(process, ReferenceFacts(slots=3, size="budget"))
+    with pytest.raises(UserError, match=r"datasets\[0\].control_path: this model takes 1 reference image\(s\) per "
+                                        r"sample, not 2"):
+        refuse_extra_references(process, ReferenceFacts(slots=1, size="budget"))

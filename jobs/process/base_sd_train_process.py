@@ -359,6 +359,7 @@ class BaseSDTrainProcess(BaseProcess):
         if cfg.train.zero_terminal_snr:
             adapter.use_zero_terminal_snr()
         adapter.use_training_guidance(cfg.train.guidance_scale, cfg.train.bypass_guidance_embedding)
+        refuse_extra_references(cfg, adapter.reference_rules)
         if cfg.train.gradient_checkpointing:
             adapter.trainable_module().enable_gradient_checkpointing()
         log.info("model: %s", adapter.describe())
@@ -938,3 +939,17 @@ def window_means(window: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     if len(window) == 1:
         return torch.stack([window[0][name] for name in names]).float()
     return torch.stack([torch.stack([parts[name] for parts in window]).float().mean() for name in names])
+
+
+def refuse_extra_references(cfg, rules) -> None:
+    """More reference folders, or sample references, than the loaded model takes per sample (Qwen-Image-Edit's first
+    version: one), named by key; the config checked the family's most already."""
+    if rules is None:
+        return
+    sources = [(f"datasets[{i}].control_path", d.reference_folders) for i, d in enumerate(cfg.datasets)]
+    if cfg.validation is not None:
+        sources.append(("validation.control_path", cfg.validation.reference_folders))
+    sources += [(f"sample.prompts[{i}].references", files) for i, files in enumerate(cfg.sample.references)]
+    for key, given in sources:
+        if len(given) > rules.slots:
+            raise UserError(f"{key}: this model takes {rules.slots} reference image(s) per sample, not {len(given)}")

@@ -16,8 +16,8 @@ Reference images (`datasets[].control_path`, image-editing families): each targe
 found by base name when the folder is scanned (a target without its reference is refused by name, unless
 `control_optional`). A reference is sized by the family's rule (`ReferenceFacts.size`): `target`, resized to cover
 the target's bucket and cropped at the same fraction of its slack as the target (a reference of the target's size:
-the same pixels); `budget`, the target's pixel area at the reference's own aspect ratio, from the target's crop
-window where the two have one aspect ratio (else the whole picture); then mirrored as the target is. Samples carry
+the same pixels); `budget`, a pixel area (the family's, else the target's) at the reference's own aspect ratio, from
+the target's crop window where the two have one aspect ratio (else the whole picture); then mirrored as the target is. Samples carry
 them as `reference_pixels_<slot>` ([3, h, w]), or cached as `reference_mean_<slot>`.
 
 With a latent cache, a variant without an entry yet comes as pixels with the key to store it under (`latent_key`);
