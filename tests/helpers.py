@@ -251,3 +251,14 @@ def euler_step(latents: torch.Tensor, dt: torch.Tensor, velocity: torch.Tensor) 
     0-dim dt times it stays in that dtype (a 0-dim tensor does not promote), the sum is float32, cast back."""
     dtype = latents.dtype
     return (latents.float() + dt * velocity.to(dtype)).to(dtype)
+
+
+def shifted_outputs(module, rows: slice):
+    """A forward hook on `module` (a transformer's final projection) adding 1 to its output at token `rows`: changes
+    that a prediction cut to the target's tokens must not see at the reference's tokens."""
+    def hook(_module, _args, output):
+        output = output.clone()
+        output[:, rows] += 1.0
+        return output
+
+    return module.register_forward_hook(hook)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FluxKontextPipeline, FluxPipeline
-from helpers import euler_step, pipeline_timestep
+from helpers import euler_step, pipeline_timestep, shifted_outputs
 from PIL import Image
 
 from toolkit.models.flux_kontext.adapter import FluxKontextAdapter
@@ -100,15 +100,8 @@ def test_reference_tokens_carry_no_loss(loaded):
     assert plain.shape == noisy.shape
     target_tokens = 4  # 4 x 4 latents, packed 2 x 2
 
-    def changed(rows: slice):
-        def hook(module, args, output):
-            output = output.clone()
-            output[:, rows] += 1.0
-            return output
-        return hook
-
     for rows, same in ((slice(target_tokens, None), True), (slice(0, 1), False)):
-        handle = adapter.transformer.proj_out.register_forward_hook(changed(rows))
+        handle = shifted_outputs(adapter.transformer.proj_out, rows)
         try:
             result = adapter.predict(noisy, t, embeds, references=[reference])
         finally:

@@ -26,19 +26,24 @@ PAIRS = REPO / "config" / "examples" / "edit_pairs"
 
 def shipped_pairs(folder: Path) -> tuple[Path, Path]:
     """A copy of the shipped pairs (caches are written beside a dataset): the targets' and the references' folders."""
-    shutil.copytree(PAIRS, folder)
+    shutil.copytree(PAIRS, folder, dirs_exist_ok=True)
     return folder / "targets", folder / "references"
 
 
-def kontext_process(tmp_path: Path, **overrides) -> dict:
+def pairs_process(tmp_path: Path, model: dict, **overrides) -> dict:
+    """An editing family's test job on a copy of the shipped pairs (64 px, batch 2, 4 updates, the dynamic shift)."""
     targets, references = shipped_pairs(tmp_path / "pairs")
-    base = trainer_process(tmp_path, model={"arch": "flux_kontext", "name_or_path": "tiny"},
+    base = trainer_process(tmp_path, model=model,
                            datasets=[{"folder_path": str(targets), "control_path": str(references),
                                       "resolution": [64]}],
                            train={"batch_size": 2, "steps": 4, "lr": 1e-3, "dtype": "fp32", "seed": 42,
                                   "timestep_type": "shift", "timestep_params": {"dynamic_shift": True}})
     base["trigger_word"] = None
     return merge_sections(base, overrides)
+
+
+def kontext_process(tmp_path: Path, **overrides) -> dict:
+    return pairs_process(tmp_path, {"arch": "flux_kontext", "name_or_path": "tiny"}, **overrides)
 
 
 def render(pipe, reference: Image.Image) -> np.ndarray:

@@ -5,14 +5,12 @@ drives, no loss on the reference's tokens), and which model a folder holds."""
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from helpers import euler_step, pipeline_timestep
+from helpers import euler_step, pipeline_timestep, shifted_outputs
 from PIL import Image
 
 from toolkit.errors import UserError
@@ -156,15 +154,8 @@ def test_reference_tokens_carry_no_loss(loaded):
     plain = adapter.predict(noisy, t, embeds, references=references)
     assert plain.shape == noisy.shape
 
-    def changed(rows: slice):
-        def hook(module, args, output):
-            output = output.clone()
-            output[:, rows] += 1.0
-            return output
-        return hook
-
     for rows, same in ((slice(4, None), True), (slice(0, 1), False)):
-        handle = adapter.transformer.proj_out.register_forward_hook(changed(rows))
+        handle = shifted_outputs(adapter.transformer.proj_out, rows)
         try:
             result = adapter.predict(noisy, t, embeds, references=references)
         finally:

@@ -73,11 +73,12 @@ def lokr_process(tmp: Path, sharding: str) -> dict:
 
 
 def every_family(tmp: Path, sharding: str) -> dict[str, dict]:
-    """Each other family's own test job (three or four updates, batch 1, float32), with `sharding` as given: SDXL with
-    its text encoders trained, Z-Image without its quantization and separate sampling model (both refused with
+    """Each other family's own test job (three or four updates, batch 1, float32), with `sharding` as given:
+    Qwen-Image-Edit on its pairs, SDXL with its text encoders trained, Z-Image without its quantization and separate sampling model (both refused with
     sharding), Wan 2.2 A14B's two experts in turn. (bf16 runs sharded in FLUX.1's equivalence and in the exact resume, an SD 1.5 job; a UNet's bf16 backward
     sharded comes out a few units of bf16's last place away from the unsharded one's, which Adam's normalised steps
     carry on, so a UNet's bf16 runs are compared with themselves.)"""
+    from test_qwen_image_edit_training import edit_process
     from test_qwen_image_training import qwen_process
     from test_sdxl_training import sdxl_process
     from test_wan_training import wan_process
@@ -92,6 +93,9 @@ def every_family(tmp: Path, sharding: str) -> dict[str, dict]:
                              network={"linear": 4, "linear_alpha": 4, "train_text_encoder": True}),
         "zimage": zimage_process(tmp / "zimage", train={**train, "cache_text_embeddings": True}),
         "qwen_image": qwen_process(tmp / "qwen_image", train={**train, "cache_text_embeddings": True}),
+        # edit pairs: each target's reference latents beside it in the sharded transformer, the text encoder reading
+        # the references (FLUX.1 Kontext joins its references the same way to FLUX.1's sharded blocks)
+        "qwen_image_edit": edit_process(tmp / "qwen_image_edit", train={**train, "cache_text_embeddings": True}),
         "wuerstchen": wuerstchen_process(tmp / "wuerstchen", train=train),
         "wan": wan_process(tmp / "wan", "tiny-wan2.2-a14b", model={"expert_switch_every": 1},
                            train={**train, "steps": 4, "cache_text_embeddings": True}),
@@ -103,7 +107,8 @@ def every_family(tmp: Path, sharding: str) -> dict[str, dict]:
 
 
 #: the families of `every_family`, and how close their sharded run comes to DDP's
-FAMILY_TOLERANCE = {"sdxl": 1e-5, "zimage": 1e-5, "qwen_image": 1e-5, "wuerstchen": 1e-5, "wan": 1e-5, "wan21": 1e-5}
+FAMILY_TOLERANCE = {"sdxl": 1e-5, "zimage": 1e-5, "qwen_image": 1e-5, "qwen_image_edit": 1e-5, "wuerstchen": 1e-5,
+                    "wan": 1e-5, "wan21": 1e-5}
 
 
 def resume_process(tmp: Path) -> dict:
