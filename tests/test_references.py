@@ -222,3 +222,20 @@ def test_more_references_than_the_loaded_model_takes_are_refused_by_key(tmp_path
     with pytest.raises(UserError, match=r"datasets\[0\].control_path: this model takes 1 reference image\(s\) per "
                                         r"sample, not 2"):
         refuse_extra_references(process, ReferenceFacts(slots=1, size="budget"))
+
+
+def test_an_unpaired_target_stops_the_job_by_name_before_the_model_loads(tmp_path, monkeypatch, caplog):
+    """Through run.py: the pairs are read with the dataset folders, before any model loads (the model here could not
+    load at all: a hub id, offline), and the unpaired target is named."""
+    from run import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = paired(tmp_path, names=("a", "b"), missing=("b",))
+    path = job_with(tmp_path, "arch: flux_kontext, name_or_path: tiny", "")
+    text = path.read_text().replace("folder_path: data}", f"folder_path: {cfg.folder_path}, control_path: "
+                                    f"{cfg.control_path}}}")
+    path.write_text(text.replace("name_or_path: tiny", "name_or_path: nobody/no-such-model"))
+    with caplog.at_level(logging.ERROR, logger="difftune"):
+        assert main([str(path)]) == 1
+    assert "1 target(s)" in caplog.text and "b.png: missing" in caplog.text

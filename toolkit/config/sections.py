@@ -585,7 +585,7 @@ class SamplePrompt(Section):
     prompt: str = Field(..., description="The prompt (the edit instruction); `[trigger]` is replaced by the trigger "
                         "word.", json_schema_extra=aka("text"))
     references: list[str] = Field(..., min_length=1, description="Reference image files, in slot order (as many as "
-                                  "the family takes per sample).", json_schema_extra=aka("ctrl_img", "control_image"))
+                                  "the family takes per sample).", json_schema_extra=aka("ctrl_img"))
 
     @field_validator("references")
     @classmethod
