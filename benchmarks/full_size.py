@@ -521,7 +521,8 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_edit", "qwen_image_qint4", "qwen_image_qint8", "qwen_image_fsdp",
+    names = ["sd15", "sdxl", "zimage", "flux", "flux_kontext", "qwen_image", "qwen_image_edit", "qwen_image_qint4",
+             "qwen_image_qint8", "qwen_image_fsdp",
              "wan21", "wan22_5b"]
     parser.add_argument("--models", nargs="+", default=names, choices=[*names, "wan22_a14b"])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])

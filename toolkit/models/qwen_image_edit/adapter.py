@@ -110,14 +110,15 @@ class EditVersion:
         return calculate_dimensions(PLUS_CONDITION_AREA if self.plus else FIRST_CONDITION_AREA, width / height)
 
 
-def read_version(components: str, said: str | None, single: bool) -> EditVersion:
+def read_version(components: str, said: str | None, single: bool, revision: str | None = None) -> EditVersion:
     """The version a diffusers folder holds (its pipeline class; 2511's transformer has `zero_cond_t`), checked
-    against `model.version` where both say; a single file's is `model.version`. A hub id is read from its files."""
+    against `model.version` where both say; a single file's is `model.version`. A hub id is read from its files (at
+    `revision`)."""
     if single:
         return EditVersion(said)
     pipeline = json.loads(Path(components, "model_index.json").read_text()) if Path(components).is_dir() else \
-        QwenImageEditPipeline.load_config(components)
-    transformer = QwenImageTransformer2DModel.load_config(components, subfolder="transformer")
+        QwenImageEditPipeline.load_config(components, revision=revision)
+    transformer = QwenImageTransformer2DModel.load_config(components, subfolder="transformer", revision=revision)
     plus = pipeline.get("_class_name") == QwenImageEditPlusPipeline.__name__
     if not plus and pipeline.get("_class_name") != QwenImageEditPipeline.__name__:
         raise UserError(f"model.name_or_path: {components} holds a {pipeline.get('_class_name')}, not a "
@@ -188,7 +189,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     @classmethod
     def adapter_options(cls, model_cfg: QwenImageEditModelConfig, components: str) -> dict:
         single = is_single_file(cls.resolve_source(model_cfg.name_or_path))
-        return {"version": read_version(components, model_cfg.version, single),
+        revision = None if single else model_cfg.revision
+        return {"version": read_version(components, model_cfg.version, single, revision),
                 "reference_pixels": model_cfg.reference_pixels}
 
     @staticmethod
