@@ -169,12 +169,12 @@ class SDTrainerConfig(Section):
                     problems.append((f"datasets[{index}].{key}", f"with train.cache_text_embeddings, {facts.title}'s "
                                      "text embeddings are cached per caption and reference image as trained; "
                                      + ("a random crop changes the reference each draw" if key == "random_crop" else
-                                        "shuffled segments around the reference's tokens are not cached yet")
-                                     + ": turn one of them off"))
+                                        "cached views cannot move the caption's segments, which follow the "
+                                        "references' vision tokens") + ": turn one of them off"))
             if dataset.token_dropout_rate:
                 problems.append((f"datasets[{index}].token_dropout_rate", f"with train.cache_text_embeddings, "
-                                 f"{facts.title}'s cached embeddings cannot drop segments around the reference's "
-                                 "tokens yet: turn one of them off"))
+                                 f"{facts.title}'s cached views cannot drop the caption's segments, which follow the "
+                                 "references' vision tokens: turn one of them off"))
         return problems
 
     def _frame_problems(self, facts, arch: str) -> list[Problem]:
