@@ -45,7 +45,7 @@ from toolkit.data.clips import (
     frame_indices,
     read_frames,
 )
-from toolkit.data.media import clip_files, mask_files, sample_extensions, sample_files
+from toolkit.data.media import clip_files, images_by_name, sample_extensions, sample_files
 from toolkit.errors import UserError
 from toolkit.models.config import ReferenceFacts
 from toolkit.train.seeding import seeded_generator
@@ -186,7 +186,7 @@ def _mask_folder(cfg: DatasetConfig) -> dict[str, Path] | None:
     folder = Path(cfg.mask_path)
     if not folder.is_dir():
         raise DatasetError(f"mask folder not found: {folder}")
-    return mask_files(folder)
+    return images_by_name(folder)
 
 
 class ReferencePairs:
@@ -200,7 +200,7 @@ class ReferencePairs:
         for folder in self.folders:
             if not folder.is_dir():
                 raise DatasetError(f"reference folder not found: {folder} ({key})")
-        self.files = [mask_files(folder) for folder in self.folders]
+        self.files = [images_by_name(folder) for folder in self.folders]
         #: (target, slot folder, why) of each reference that is not there
         self.missing: list[tuple[Path, Path, str]] = []
 

@@ -35,10 +35,11 @@ def clip_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in CLIP_EXTENSIONS)
 
 
-def mask_files(folder: Path) -> dict[str, Path]:
-    """A mask folder's masks by base name (`datasets[].mask_path`): its images (`IMAGE_EXTENSIONS`), the first by
-    name where several share a base name."""
-    masks: dict[str, Path] = {}
+def images_by_name(folder: Path) -> dict[str, Path]:
+    """A folder's images by base name (`IMAGE_EXTENSIONS`), the first by name where several share a base name: a
+    dataset's masks (`datasets[].mask_path`) and reference images (`datasets[].control_path`), found by their
+    targets' base names."""
+    found: dict[str, Path] = {}
     for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
-        masks.setdefault(path.stem, path)
-    return masks
+        found.setdefault(path.stem, path)
+    return found

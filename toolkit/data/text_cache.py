@@ -37,6 +37,7 @@ from toolkit.data.captions import (
     split_segments,
 )
 from toolkit.data.dataset import ImageDataset, Variant, batch_of, centre_variant, reference_views
+from toolkit.data.latent_cache import file_digest
 from toolkit.errors import UserError
 from toolkit.files import write_atomic
 from toolkit.models.base import ModelAdapter, PromptEmbeds, TextRules, join_padded
@@ -273,7 +274,7 @@ class CachedCaptions:
 
     def digest(self, path: Path) -> str:
         if path not in self._digests:
-            self._digests[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+            self._digests[path] = file_digest(path)
         return self._digests[path]
 
     def drawable_variants(self, index: int) -> list[Variant]:

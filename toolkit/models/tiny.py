@@ -71,6 +71,16 @@ def unigram_t5_tokenizer():
     return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
+def seeded(seed: int, build: Callable[[], object]):
+    """`build()` with torch's CPU RNG seeded to `seed` and restored after: a tiny model's random weights are a function
+    of its preset alone."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
 def ensure_tiny(name: str, preset: dict, build: Callable[[Path, dict], None]) -> Path:
     """The folder of tiny preset `name`, built by `build(folder, preset)` on first use. The build writes into
     a temporary folder that is renamed when complete, so a half-built model is never seen."""

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from toolkit.models.tiny import byte_level_clip_tokenizer, ensure_tiny, unigram_t5_tokenizer
+from toolkit.models.tiny import byte_level_clip_tokenizer, ensure_tiny, seeded, unigram_t5_tokenizer
 
 TINY_FLUX_DEV = {
     "transformer": {
@@ -56,12 +54,6 @@ TINY_FLUX_SCHNELL = {
 TINY_FLEX = {**TINY_FLUX_DEV, "transformer": {**TINY_FLUX_DEV["transformer"], "num_single_layers": 3}}
 
 
-def _seeded(seed: int, build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
-
-
 def flux_parts(preset: dict) -> dict:
     """The parts of a random FLUX.1-layout pipeline with the preset's sizes, created on the current default device and
     dtype, by their pipeline argument names."""
@@ -71,14 +63,14 @@ def flux_parts(preset: dict) -> dict:
     tokenizer = byte_level_clip_tokenizer(preset["text_encoder"]["max_position_embeddings"])
     tokenizer_2 = unigram_t5_tokenizer()
     seed = preset["seed"]
-    text_encoder = _seeded(seed, lambda: CLIPTextModel(CLIPTextConfig(
+    text_encoder = seeded(seed, lambda: CLIPTextModel(CLIPTextConfig(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **preset["text_encoder"])))
-    text_encoder_2 = _seeded(seed + 1, lambda: T5EncoderModel(T5Config(
+    text_encoder_2 = seeded(seed + 1, lambda: T5EncoderModel(T5Config(
         vocab_size=len(tokenizer_2), pad_token_id=tokenizer_2.pad_token_id, eos_token_id=tokenizer_2.eos_token_id,
         decoder_start_token_id=tokenizer_2.pad_token_id, **preset["text_encoder_2"])))
-    vae = _seeded(seed + 2, lambda: AutoencoderKL(**preset["vae"]))
-    transformer = _seeded(seed + 3, lambda: FluxTransformer2DModel(**preset["transformer"]))
+    vae = seeded(seed + 2, lambda: AutoencoderKL(**preset["vae"]))
+    transformer = seeded(seed + 3, lambda: FluxTransformer2DModel(**preset["transformer"]))
     return {"scheduler": FlowMatchEulerDiscreteScheduler(**preset["scheduler"]), "vae": vae,
             "text_encoder": text_encoder, "tokenizer": tokenizer, "text_encoder_2": text_encoder_2,
             "tokenizer_2": tokenizer_2, "transformer": transformer}

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from toolkit.models.tiny import ensure_tiny
+from toolkit.models.tiny import ensure_tiny, seeded
 
 TINY_QWEN_IMAGE = {
     "transformer": {
@@ -72,12 +70,6 @@ def template_bpe_tokenizer(texts: tuple[str, ...] = TEMPLATE_TEXT, vision: tuple
     return tokenizer
 
 
-def _seeded(seed: int, build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
-
-
 def _text_encoder(config: dict, tokenizer):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -99,9 +91,9 @@ def build_qwen_image(folder: Path, preset: dict) -> None:
 
     tokenizer = template_bpe_tokenizer()
     seed = preset["seed"]
-    text_encoder = _seeded(seed, lambda: _text_encoder(preset["text_encoder"], tokenizer))
-    vae = _seeded(seed + 1, lambda: AutoencoderKLQwenImage(**preset["vae"]))
-    transformer = _seeded(seed + 2, lambda: QwenImageTransformer2DModel(**preset["transformer"]))
+    text_encoder = seeded(seed, lambda: _text_encoder(preset["text_encoder"], tokenizer))
+    vae = seeded(seed + 1, lambda: AutoencoderKLQwenImage(**preset["vae"]))
+    transformer = seeded(seed + 2, lambda: QwenImageTransformer2DModel(**preset["transformer"]))
     pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**preset["scheduler"]), vae=vae,
                              text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
     pipe.save_pretrained(folder, safe_serialization=True)

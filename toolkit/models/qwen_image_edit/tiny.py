@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from toolkit.models.qwen_image.tiny import TEMPLATE_TEXT, TINY_QWEN_IMAGE, template_bpe_tokenizer
-from toolkit.models.tiny import ensure_tiny
+from toolkit.models.tiny import ensure_tiny, seeded
 
 #: the editing pipelines' prompt template (`prompt_template_encode`) and the Plus pipeline's image prefix: the tiny
 #: tokenizer learns their words
@@ -34,12 +32,6 @@ TINY_QWEN_IMAGE_EDIT = {**TINY_QWEN_IMAGE, "pipeline": "QwenImageEditPipeline", 
 TINY_QWEN_IMAGE_EDIT_2509 = {**TINY_QWEN_IMAGE_EDIT, "pipeline": "QwenImageEditPlusPipeline", "seed": 21}
 TINY_QWEN_IMAGE_EDIT_2511 = {**TINY_QWEN_IMAGE_EDIT_2509, "seed": 22,
                              "transformer": {**TINY_QWEN_IMAGE["transformer"], "zero_cond_t": True}}
-
-
-def _seeded(seed: int, build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
 
 
 def build_qwen_image_edit(folder: Path, preset: dict) -> None:
@@ -60,10 +52,10 @@ def build_qwen_image_edit(folder: Path, preset: dict) -> None:
     special = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None,
                "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>")}
     seed = preset["seed"]
-    text_encoder = _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+    text_encoder = seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config={**encoder["text_config"], **special}, vision_config=encoder["vision_config"], **ids)))
-    vae = _seeded(seed + 1, lambda: AutoencoderKLQwenImage(**preset["vae"]))
-    transformer = _seeded(seed + 2, lambda: QwenImageTransformer2DModel(**preset["transformer"]))
+    vae = seeded(seed + 1, lambda: AutoencoderKLQwenImage(**preset["vae"]))
+    transformer = seeded(seed + 2, lambda: QwenImageTransformer2DModel(**preset["transformer"]))
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tokenizer,
                                  video_processor=Qwen2VLVideoProcessor())
     pipeline = getattr(diffusers, preset["pipeline"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.models.tiny import ensure_tiny, unigram_t5_tokenizer
+from toolkit.models.tiny import ensure_tiny, seeded, unigram_t5_tokenizer
 
 #: Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: the 48 channels' latent mean and std
 WAN22_LATENTS_MEAN = [
@@ -63,14 +63,6 @@ TINY_WAN22_A14B = {"transformers": [_TRANSFORMER, _TRANSFORMER], "text_encoder":
                    "scheduler": unipc_flow_scheduler(12.0), "pipeline": {"boundary_ratio": 0.875}, "seed": 0}
 
 
-def _seeded(seed: int, build):
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
-
-
 def build_wan(folder: Path, preset: dict) -> None:
     """A random WanPipeline folder with the preset's sizes (one or two transformers), created on the current default
     device and dtype."""
@@ -79,11 +71,11 @@ def build_wan(folder: Path, preset: dict) -> None:
 
     tokenizer = unigram_t5_tokenizer()
     seed = preset["seed"]
-    text_encoder = _seeded(seed, lambda: UMT5EncoderModel(UMT5Config(
+    text_encoder = seeded(seed, lambda: UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id, **preset["text_encoder"])))
-    vae = _seeded(seed + 1, lambda: AutoencoderKLWan(**preset["vae"]))
-    transformers = [_seeded(seed + 2 + i, lambda c=config: WanTransformer3DModel(**c))
+    vae = seeded(seed + 1, lambda: AutoencoderKLWan(**preset["vae"]))
+    transformers = [seeded(seed + 2 + i, lambda c=config: WanTransformer3DModel(**c))
                     for i, config in enumerate(preset["transformers"])]
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
                        scheduler=UniPCMultistepScheduler(**preset["scheduler"]), transformer=transformers[0],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.models.tiny import ensure_tiny
+from toolkit.models.tiny import ensure_tiny, seeded
 
 TINY_ZIMAGE = {
     "transformer": {
@@ -95,12 +95,6 @@ def byte_level_qwen_tokenizer():
     return tokenizer
 
 
-def _seeded(seed: int, build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
-
-
 def _tiny_transformer(config: dict):
     from diffusers import ZImageTransformer2DModel
 
@@ -126,9 +120,9 @@ def build_zimage(folder: Path, preset: dict) -> None:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
     tokenizer = byte_level_qwen_tokenizer()
-    text_encoder = _seeded(preset["shared_seed"], lambda: _tiny_text_encoder(preset["text_encoder"], tokenizer))
-    vae = _seeded(preset["shared_seed"] + 1, lambda: AutoencoderKL(**preset["vae"]))
-    transformer = _seeded(preset["seed"], lambda: _tiny_transformer(preset["transformer"]))
+    text_encoder = seeded(preset["shared_seed"], lambda: _tiny_text_encoder(preset["text_encoder"], tokenizer))
+    vae = seeded(preset["shared_seed"] + 1, lambda: AutoencoderKL(**preset["vae"]))
+    transformer = seeded(preset["seed"], lambda: _tiny_transformer(preset["transformer"]))
     pipe = ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**preset["scheduler"]),
         vae=vae,
