@@ -282,21 +282,6 @@ def test_missing_assistant_lora_is_named(tmp_path):
         FluxAdapter.load(cfg, CPU, torch.float32)
 
 
-@pytest.mark.parametrize("preset, expected", [("tiny", True), ("tiny-schnell", False)])
-def test_a_single_files_variant_is_read_from_its_keys(tiny_cache, tmp_path, preset, expected):
-    """Without `single_file_config`, a single transformer file takes its configs from the matching repo: [dev]
-    files have guidance-embedding weights, [schnell] files do not."""
-    from safetensors.torch import save_file
-
-    from toolkit.models.flux.adapter import DEFAULT_COMPONENTS, has_guidance_weights
-
-    adapter = FluxAdapter.load(model_config(arch="flux", name_or_path=preset), CPU, torch.float32)
-    path = tmp_path / "transformer.safetensors"
-    save_file({k: v.contiguous() for k, v in adapter.transformer.state_dict().items()}, str(path))
-    assert has_guidance_weights(str(path)) is expected
-    assert DEFAULT_COMPONENTS[expected].endswith("dev" if expected else "schnell")
-
-
 @pytest.fixture(scope="module")
 def flex(loaded) -> FluxAdapter:
     return loaded("tiny-flex")

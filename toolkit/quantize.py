@@ -123,6 +123,7 @@ def quantize_blockwise(
     blocks: Iterable[torch.nn.Module] | None = None,
     exclude: list[str] | None = None,
     device: torch.device | str | None = None,
+    keep_quantized: bool = False,
 ) -> torch.nn.Module:
     """Quantize and freeze `model`'s weights in place, one block at a time, and return it.
 
@@ -132,13 +133,17 @@ def quantize_blockwise(
     CPU. Modules outside `blocks` are quantized afterwards where they live, and the caller decides where
     they go. `exclude` holds fnmatch patterns over names in `model` (quanto's `exclude=`); matching modules
     (embedders, final layers) keep full precision. `device=None` quantizes every block where it lives.
+    `keep_quantized`: layers already quantized (an fp8 file's layers, kept as stored) stay as they are and the rest
+    is quantized; otherwise a model with quantized layers is refused.
     """
     weights = quanto_qtype(qtype)
     keep_qfloat8_off_marlin()
     keep_quantized_linear_dtypes_matched()
     exclude = list(exclude or [])
-    if any(isinstance(module, QModuleMixin) for module in model.modules()):
+    quantized = [glob.escape(name) for name, module in model.named_modules() if isinstance(module, QModuleMixin)]
+    if quantized and not keep_quantized:
         raise ValueError(f"{type(model).__name__} is already quantized; quantize a full-precision model once")
+    exclude += quantized
     names = block_names(model, blocks or [])
     for name in names:
         if device is not None:
@@ -146,7 +151,7 @@ def quantize_blockwise(
         quantize(model, weights=weights, include=subtree_patterns(name), exclude=exclude)
         # Freezing right away replaces the float weights by quantized ones, so they are freed before the
         # next block arrives.
-        freeze(model.get_submodule(name))
+        freeze_new(model.get_submodule(name))
         trim_host_heap()
     done = [pattern for name in names for pattern in subtree_patterns(name)]
     quantize(model, weights=weights, exclude=exclude + done)

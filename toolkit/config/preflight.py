@@ -15,7 +15,7 @@ from toolkit.paths import normalize_path
 
 #: `model` keys (in any family) that name a file, a folder or a hub id
 PATH_KEYS = ("name_or_path", "single_file_config", "image_encoder_path", "decoder_name_or_path",
-             "assistant_lora_path", "vae_name_or_path")
+             "assistant_lora_path", "vae_name_or_path", "text_encoder_path", "tokenizer")
 
 
 def path_problems(process: BaseModel, written: Sequence[Path] = ()) -> list[str]:
@@ -82,11 +82,14 @@ def _path_problems(process: BaseModel) -> list[tuple[str, str]]:
     for prefix, section in sections:
         for key in PATH_KEYS:
             value = getattr(section, key, None)
-            if isinstance(value, str):
+            named = [(f"{prefix}.{key}", value)] if isinstance(value, str) else []
+            if isinstance(value, list):  # one path per part (`text_encoder_path`)
+                named = [(f"{prefix}.{key}[{i}]", item) for i, item in enumerate(value) if isinstance(item, str)]
+            for at, item in named:
                 try:
-                    normalize_path(value, f"{prefix}.{key}")
+                    normalize_path(item, at)
                 except PathNotFound as err:
-                    problems.append((str(err), value))
+                    problems.append((str(err), item))
     network = getattr(process, "network", None)
     lora = getattr(network, "pretrained_lora_path", None)
     if lora and not Path(lora).expanduser().exists():  # a file, or a peft adapter folder

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from diffusers.models.embeddings import CombinedTimestepGuidanceTextProjEmbeddings
-from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
 from toolkit.device import memory_debug, to_device
 from toolkit.errors import UserError
@@ -45,15 +44,14 @@ from toolkit.models.common import (
     dynamic_shift_schedule,
     encoder_identity,
     first_weight,
-    is_single_file,
     place_frozen,
-    pretrained_denoiser,
     vae_latent_dist,
     vae_latents,
 )
 from toolkit.models.flux.config import FACTS, FluxModelConfig
+from toolkit.models.flux.files import flux_kinds
+from toolkit.models.flux.parts import FluxParts
 from toolkit.models.flux.tiny import ensure_tiny_flex, ensure_tiny_flux, ensure_tiny_flux_schnell
-from toolkit.network.files import key_names
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
 from toolkit.quantize import quantize_blockwise
@@ -197,26 +195,25 @@ class FluxAdapter(ModelAdapter):
              debug_memory: bool = False, sampling_models: bool = True,
              empty_denoiser: bool = False) -> FluxAdapter:
         """The transformer (the assistant LoRA merged before any quantization) and the other parts; then the
-        transformer and T5 quantized block by block onto the accelerator where asked."""
+        transformer and T5 quantized block by block onto the accelerator where asked. Each part comes from its own
+        file where the config names one (`name_or_path`, `text_encoder_path`, `vae_name_or_path`), else from the
+        base's folder (`single_file_config` for a single-file base)."""
         source = cls.resolve_source(model_cfg.name_or_path)
+        parts = FluxParts(cls, model_cfg, source)
         with memory_debug("model load", debug_memory):
-            if is_single_file(source):
-                components = cls.resolve_source(
-                    model_cfg.single_file_config or cls.default_components[has_guidance_weights(source)],
-                    "model.single_file_config")
-                transformer = cls.transformer_from_single_file(source, dtype, components)
-                parts = cls.load_components(components, dtype, None, None)
-            else:
-                transformer = pretrained_denoiser(FluxTransformer2DModel, source, "transformer", dtype, empty_denoiser,
-                                                  variant=model_cfg.variant, revision=model_cfg.revision)
-                parts = cls.load_components(source, dtype, model_cfg.variant, model_cfg.revision)
+            transformer, scheduler = parts.transformer(dtype, empty_denoiser)
+            text_encoder, text_encoder_2 = parts.text_encoders(dtype)
+            vae = parts.vae(dtype)
+            tokenizer, tokenizer_2 = parts.tokenizers()
         transformer.requires_grad_(False)
         transformer.eval()
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
                                                                    "model.assistant_lora_path"))
-        adapter = cls(transformer, *parts, source=source, max_sequence_length=model_cfg.max_sequence_length)
+        adapter = cls(transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler, source=source,
+                      max_sequence_length=model_cfg.max_sequence_length)
+        adapter.parts_from = parts.origins
         adapter.compute_dtype = dtype
         adapter.quantize_and_place(model_cfg, device, debug_memory)
         return adapter
@@ -228,27 +225,10 @@ class FluxAdapter(ModelAdapter):
         tiny = cls.tiny_sources
         return str(tiny[name_or_path]()) if name_or_path in tiny else name_or_path
 
-    @staticmethod
-    def transformer_from_single_file(path: str, dtype: torch.dtype, config_source: str) -> FluxTransformer2DModel:
-        """A transformer file in the original (BFL) or ComfyUI layout; diffusers' converter splits its fused qkv
-        and renames the blocks, the config coming from `config_source`."""
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"model file not found: {path}")
-        return FluxTransformer2DModel.from_single_file(path, config=config_source, subfolder="transformer",
-                                                       local_files_only=Path(config_source).is_dir(),
-                                                       torch_dtype=dtype)
-
-    @staticmethod
-    def load_components(source: str, dtype: torch.dtype, variant: str | None, revision: str | None) -> tuple:
-        """VAE, CLIP and T5 with their tokenizers, and the scheduler, of a diffusers folder or hub id."""
-        kw = {"variant": variant, "revision": revision}
-        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
-        text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
-        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
-        text_encoder_2 = T5EncoderModel.from_pretrained(source, subfolder="text_encoder_2", dtype=dtype, **kw)
-        tokenizer_2 = AutoTokenizer.from_pretrained(source, subfolder="tokenizer_2", revision=revision)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
-        return vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler
+    @classmethod
+    def part_kinds(cls) -> dict:
+        """{"transformer", "clip_l", "t5xxl", "vae"}: what each part's file may be (toolkit/models/flux/files.py)."""
+        return flux_kinds()
 
     #: fnmatch patterns over the transformer's module names that stay in full precision: the input embedders, the
     #: timestep/guidance/text embedding and the final norm and projection (small and precision-sensitive). The
@@ -257,16 +237,17 @@ class FluxAdapter(ModelAdapter):
     QUANTIZATION_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")
 
     def quantize_and_place(self, model_cfg: FluxModelConfig, device: torch.device, debug_memory: bool) -> None:
-        """Quantize what the config asks (block by block onto the accelerator), then place the rest: with
-        `low_vram` the text encoders and VAE stay on the CPU until the trainer needs them."""
+        """Quantize what the config asks (block by block onto the accelerator; layers an fp8 file stores stay as
+        stored), then place the rest: with `low_vram` the text encoders and VAE stay on the CPU until the trainer
+        needs them."""
         if model_cfg.quantize:
             with memory_debug("transformer quantization", debug_memory):
                 quantize_blockwise(self.transformer, model_cfg.qtype, self.quantization_blocks(),
-                                   list(self.QUANTIZATION_EXCLUDE), device)
+                                   list(self.QUANTIZATION_EXCLUDE), device, keep_quantized=True)
         if model_cfg.quantize_te:
             with memory_debug("text encoder quantization", debug_memory):
                 quantize_blockwise(self.text_encoder_2, model_cfg.qtype_te, list(self.text_encoder_2.encoder.block),
-                                   None, device)
+                                   None, device, keep_quantized=True)
         place_frozen(self.transformer, [self.vae, self.text_encoder, self.text_encoder_2], device, model_cfg.low_vram)
 
     def quantization_blocks(self) -> list[torch.nn.Module]:
@@ -411,14 +392,6 @@ def merge_assistant_lora(transformer: torch.nn.Module, path: str) -> None:
         raise FileNotFoundError(f"model.assistant_lora_path: file not found: {path}")
     state, alphas, metadata = FluxPipeline.lora_state_dict(path, return_alphas=True, return_lora_metadata=True)
     merge_lora_state(transformer, state, FluxAdapter.files.prefix, metadata, alphas)
-
-
-def has_guidance_weights(path: str) -> bool:
-    """Whether a single transformer file is [dev]-like (a guidance embedding: `guidance_in.*` in the original
-    layout, `...guidance_embedder.*` in diffusers'); its key names only are read."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"model file not found: {path}")
-    return any("guidance_in." in key or "guidance_embedder." in key for key in key_names(Path(path)))
 
 
 def is_pruned(config) -> bool:

@@ -23,7 +23,9 @@ class FluxKontextModelConfig(FluxModelConfig):
                                           "a reference image (`datasets[].control_path`).",
                                           json_schema_extra={"aka": ["model_type", "base_model"]})
     single_file_config: str | None = Field(
-        None, description="For a single-file transformer: the diffusers folder or hub id that gives the transformer "
-        "config, text encoders, tokenizers, VAE and scheduler; default black-forest-labs/FLUX.1-Kontext-dev.")
+        None, description="For a single-file transformer: a diffusers folder or hub id whose configs describe it "
+        "(for a file of no variant difftune knows) and which gives the parts no file is named for (text encoders, "
+        "VAE, tokenizers). Default: the variant's configs ship with difftune; parts not given as files come from "
+        "black-forest-labs/FLUX.1-Kontext-dev.")
 
     facts: ClassVar[FamilyFacts] = FACTS

@@ -1,0 +1,97 @@
+"""The text encoders and VAEs families share, as single files: how each is told from its tensor names and shapes,
+and its published variants (configs shipped in toolkit/models/variants/*.json). Free of torch.
+
+A family's part slot (its CLIP, its T5, its VAE) is a `PartKind` made with `kind(...)`: these readers and published
+variants, plus the family's tiny presets' variants.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from toolkit.models.single_files import PartKind, PartNames, Variant
+
+VARIANTS = Path(__file__).parent / "variants"
+
+#: the prefixes ComfyUI's and the original checkpoints put before each text encoder's names (a CLIP file's names
+#: start `text_model.`, which transformers' CLIPTextModel no longer has in its own; its `text_projection` is the
+#: full CLIP model's, outside the prefix)
+CLIP_L_PREFIXES = ("text_encoders.clip_l.transformer.text_model.", "cond_stage_model.transformer.text_model.",
+                   "conditioner.embedders.0.transformer.text_model.", "clip_l.transformer.text_model.", "text_model.")
+T5_PREFIXES = ("text_encoders.t5xxl.transformer.", "t5xxl.transformer.")
+VAE_PREFIXES = ("first_stage_model.", "vae.")
+
+
+def published(file: str, *names: str) -> tuple[Variant, ...]:
+    """Published variants from toolkit/models/variants/<file>.json (all, or the ones named)."""
+    entries = json.loads((VARIANTS / file).read_text())
+    return tuple(Variant(name, entry["title"], entry["facts"], entry["configs"]) for name, entry in entries.items()
+                 if not names or name in names)
+
+
+def kind(name: str, title: str, read: Callable[[PartNames], dict[str, Any] | None], variants: Iterable[Variant],
+         prefixes: tuple[str, ...] = ()) -> PartKind:
+    return PartKind(name, title, read, tuple(variants), prefixes)
+
+
+def read_clip_text(part: PartNames) -> dict[str, Any] | None:
+    """A CLIP text model in transformers' names under `text_model.` (as ComfyUI stores clip_l and clip_g, the prefix
+    removed): its layer count, width and vocabulary."""
+    embedding = part.shape("embeddings.token_embedding.weight")
+    if embedding is None or not part.has("final_layer_norm.weight"):
+        return None
+    return {"layers": part.count(r"encoder\.layers\.(\d+)\."), "width": embedding[1], "vocabulary": embedding[0]}
+
+
+def read_t5_encoder(part: PartNames) -> dict[str, Any] | None:
+    """A T5 encoder in transformers' names (`encoder.block.N.layer...`, `shared.weight`), as ComfyUI stores T5-XXL and
+    UMT5-XXL: block count, width, vocabulary, and whether every layer has its own position bias (UMT5) or only the
+    first (T5)."""
+    embedding = part.shape("shared.weight") or part.shape("encoder.embed_tokens.weight")
+    if embedding is None or not part.has("encoder.block.0.layer.0.SelfAttention.q.weight"):
+        return None
+    return {"blocks": part.count(r"encoder\.block\.(\d+)\."), "width": embedding[1], "vocabulary": embedding[0],
+            "per-layer position bias": part.has("encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight")}
+
+
+def read_ldm_vae(part: PartNames) -> dict[str, Any] | None:
+    """An AutoencoderKL in the original (LDM) names (`encoder.down.0.block.0...`, as ae.safetensors and the SD VAEs
+    are stored): latent channels, the widths of its levels, and whether it has the quant convs."""
+    conv_out = part.shape("encoder.conv_out.weight")
+    if conv_out is None or not part.has("encoder.down.0.block.0.conv1.weight"):
+        return None
+    levels = part.count(r"encoder\.down\.(\d+)\.")
+    widths = [part.shape(f"encoder.down.{i}.block.0.conv1.weight")[0] for i in range(levels)]
+    return {"latent channels": conv_out[0] // 2, "widths": widths, "quant conv": part.has("quant_conv.weight")}
+
+
+def read_diffusers_vae(part: PartNames) -> dict[str, Any] | None:
+    """The same facts of an AutoencoderKL saved in diffusers' names (`encoder.down_blocks.0.resnets.0...`)."""
+    conv_out = part.shape("encoder.conv_out.weight")
+    if conv_out is None or not part.has("encoder.down_blocks.0.resnets.0.conv1.weight"):
+        return None
+    levels = part.count(r"encoder\.down_blocks\.(\d+)\.")
+    widths = [part.shape(f"encoder.down_blocks.{i}.resnets.0.conv1.weight")[0] for i in range(levels)]
+    return {"latent channels": conv_out[0] // 2, "widths": widths, "quant conv": part.has("quant_conv.weight")}
+
+
+def read_autoencoder_kl(part: PartNames) -> dict[str, Any] | None:
+    return read_ldm_vae(part) or read_diffusers_vae(part)
+
+
+def clip_l(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("clip_l", "CLIP-L text encoder", read_clip_text, published("text_encoders.json", "clip-l") + tuple(tiny),
+                CLIP_L_PREFIXES)
+
+
+def t5_xxl(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("t5xxl", "T5-XXL text encoder", read_t5_encoder, published("text_encoders.json", "t5-xxl") + tuple(tiny),
+                T5_PREFIXES)
+
+
+def flux_vae(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("flux_vae", "FLUX.1 VAE", read_autoencoder_kl, published("vaes.json", "flux-vae") + tuple(tiny),
+                VAE_PREFIXES)
