@@ -112,6 +112,39 @@ def dequantized_state(path: Path, prefix: str = "", dtype: torch.dtype = torch.f
     return out
 
 
+def write_gguf(state: dict[str, torch.Tensor], path: Path, arch: str) -> Path:
+    """`state` as a GGUF file as ComfyUI-GGUF's converter writes one: 2-D weights whose rows are whole Q8_0 blocks
+    quantized to Q8_0, the rest float32; `general.architecture` is `arch`."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if is_matrix(name, tensor) and tensor.shape[1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_dequantized(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A GGUF file's tensors as the compute dtype sees them (diffusers' dequantization, then `dtype`)."""
+    from diffusers.models.model_loading_utils import load_gguf_checkpoint
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    out = {}
+    for name, tensor in load_gguf_checkpoint(str(path)).items():
+        if type(tensor).__name__ == "GGUFParameter":
+            tensor = torch.Tensor._make_subclass(torch.Tensor, dequantize_gguf_tensor(tensor))
+        out[name] = tensor.to(dtype)
+    return out
+
+
 def write_tokenizer_tree(root: Path, tokenizers: dict[str, object]) -> Path:
     """A ComfyUI source tree holding tokenizers where ComfyUI keeps them ({`comfy/...` folder: tokenizer})."""
     for folder, tokenizer in tokenizers.items():
@@ -132,7 +165,13 @@ def write_flux_comfy(adapter, root: Path, storage: str = "float32", prefix: str 
     for path in paths.values():
         path.parent.mkdir(parents=True, exist_ok=True)
     transformer = flux_original_layout(plain(adapter.transformer))
-    save_file(contiguous({prefix + k: v for k, v in stored(transformer, storage).items()}), str(paths["transformer"]))
+    if storage == "gguf":
+        paths["transformer"] = write_gguf({prefix + k: v for k, v in transformer.items()},
+                                          paths["transformer"].with_suffix(".gguf"), "flux")
+        storage = "float32"  # the other parts
+    else:
+        save_file(contiguous({prefix + k: v for k, v in stored(transformer, storage).items()}),
+                  str(paths["transformer"]))
     clip = {f"text_model.{k}": v for k, v in plain(adapter.text_encoder).items()}
     width = clip["text_model.final_layer_norm.weight"].shape[0]
     clip["text_projection.weight"] = torch.zeros(width, width)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from comfy_files import dequantized_state, flux_original_layout, write_flux_comfy
 from diffusers import AutoencoderKL, FluxTransformer2DModel
+from helpers import run_job, trainer_process, two_bucket_data
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from toolkit.errors import UserError
@@ -23,6 +25,7 @@ from toolkit.models.part_kinds import VARIANTS as SHARED_VARIANTS
 from toolkit.models.registry import get_adapter_class, model_config
 from toolkit.models.single_files import FileHeader, TensorInfo, UnknownFile
 from toolkit.models.stored_weights import FP8_DTYPES
+from toolkit.run.metrics import read_metrics
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red circle on a blue background", ""]
@@ -221,6 +224,25 @@ def test_fp8_files_compute_with_their_stored_weights_dequantized(reference, comf
     assert (mine - full).abs().mean() < 0.1 * full.abs().mean()  # fp8's 3 mantissa bits, through the network
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_gguf_transformer_computes_with_its_quantized_weights_dequantized(reference, comfy_install, dtype):
+    """A GGUF transformer (Q8_0 blocks, BFL names, as ComfyUI-GGUF writes FLUX.1) keeps its Linear weights quantized
+    and computes what the network with them dequantized computes."""
+    from comfy_files import gguf_dequantized
+    from diffusers.quantizers.gguf.utils import GGUFLinear
+
+    paths = comfy_install("gguf")
+    assert paths["transformer"].suffix == ".gguf"
+    ours = FluxAdapter.load(files_config(paths), CPU, dtype)
+    assert isinstance(ours.transformer.get_submodule("transformer_blocks.0.attn.to_q"), GGUFLinear)
+    assert ours.parts_from["transformer"].endswith("(tiny FLUX.1 preset (tiny), gguf Q8_0)")
+    exact = FluxAdapter.load(model_config(arch="flux", name_or_path="tiny"), CPU, dtype)
+    exact.transformer.load_state_dict(to_diffusers(gguf_dequantized(paths["transformer"], dtype)))
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for a, b in zip(predictions(ours), predictions(exact)):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
+
+
 def test_quantizing_an_fp8_file_keeps_its_stored_layers_and_quantizes_the_rest(comfy_install):
     paths = comfy_install("scaled_fp8")
     adapter = FluxAdapter.load(files_config(paths, quantize=True, qtype="qint8"), CPU, torch.float32)
@@ -278,3 +300,59 @@ def test_text_encoder_files_are_told_apart_and_wrong_sets_are_named(comfy_instal
         FluxAdapter.load(cfg(paths["clip_l"]), CPU, torch.float32)
     with pytest.raises(UserError, match=r"ae.safetensors is not a CLIP-L text encoder or T5-XXL text encoder file"):
         FluxAdapter.load(cfg(paths["clip_l"], paths["vae"]), CPU, torch.float32)
+
+
+# ---- training on the stored base ---------------------------------------------------------------------------------
+
+
+def files_process(tmp_path: Path, paths: dict[str, Path], dtype: str, steps: int = 6) -> dict:
+    model = {"arch": "flux", "name_or_path": str(paths["transformer"]), "vae_name_or_path": str(paths["vae"]),
+             "text_encoder_path": [str(paths["clip_l"]), str(paths["t5xxl"])], "dtype": dtype}
+    return trainer_process(tmp_path, model=model, network={"linear": 4, "linear_alpha": 8},
+                           datasets=[{"folder_path": str(two_bucket_data(tmp_path / "data", lambda i: f"blob {i}")),
+                                      "resolution": [64]}],
+                           train={"batch_size": 2, "steps": steps, "lr": 3e-3, "dtype": dtype, "seed": 42},
+                           sample={"prompts": ["shp, a blob"], "width": 64, "height": 64, "sample_steps": 2,
+                                   "sample_every": steps})
+
+
+@pytest.mark.slow
+def test_a_lora_trained_on_a_scaled_fp8_file_applies_as_comfyui_applies_it(comfy_install, reference, tmp_path,
+                                                                             registry):
+    """A job on ComfyUI's scaled-fp8 files trains its LoRA on the stored weights (still fp8 after training); the saved
+    LoRA, unmerged on top of the stored weights dequantized (how ComfyUI samples with it), predicts what the trained
+    model predicts, and it loads in diffusers' FluxPipeline."""
+    from diffusers import FluxPipeline
+
+    paths = comfy_install("scaled_fp8")
+    trainer, run_dir = run_job(tmp_path, registry, "fp8", files_process(tmp_path, paths, "fp32"))
+    trained = trainer.adapter
+    stored = trained.transformer.get_submodule("transformer_blocks.0.attn.to_q").base_layer
+    assert stored.weight._data.dtype == torch.float8_e4m3fn
+    exact = dequantized_reference(paths, reference(torch.float32), torch.float32, "")
+    exact.sampling.pipeline().load_lora_weights(str(run_dir), weight_name="fp8.safetensors")
+    trained.transformer.eval()
+    for a, b in zip(predictions(trained), predictions(exact)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    _, plain = predictions(dequantized_reference(paths, reference(torch.float32), torch.float32, ""))
+    assert (predictions(exact)[1] - plain).abs().max() > 1e-3  # the LoRA changed something
+    pipe = FluxPipeline.from_pretrained(reference(torch.float32).source)
+    pipe.load_lora_weights(str(run_dir), weight_name="fp8.safetensors")
+    assert (run_dir / "samples" / "step_000000006_0.png").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", ["comfy_quant", "gguf"])
+def test_a_bf16_run_on_stored_weights_trains_and_samples(comfy_install, tmp_path, registry, storage):
+    """bf16, as GPU users train: ComfyUI's newer scaled-fp8 files, and a GGUF transformer."""
+    paths = comfy_install(storage)
+    trainer, run_dir = run_job(tmp_path, registry, "bf16", files_process(tmp_path, paths, "bf16"))
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert len(records) == 6 and all(np.isfinite(r["loss"]) for r in records)
+    lora = trainer.adapter.transformer.get_submodule("single_transformer_blocks.0.attn.to_q")
+    assert lora.lora_A["default"].weight.dtype == torch.float32
+    stored = lora.base_layer.weight
+    assert stored._data.dtype in FP8_DTYPES if storage == "comfy_quant" else type(stored).__name__ == "GGUFParameter"
+    assert (run_dir / "bf16.safetensors").is_file() and (run_dir / "samples" / "step_000000006_0.png").is_file()
+
+

@@ -163,4 +163,8 @@ class SamplingModelConfig(Section):
 
 def is_single_file(source: str | None) -> bool:
     """A single-file checkpoint (rather than a diffusers folder or hub id), as the config and the loader read it."""
-    return source is not None and source.strip().endswith((".safetensors", ".ckpt"))
+    return source is not None and source.strip().lower().endswith(SINGLE_FILE_SUFFIXES)
+
+
+#: the endings of a single-file part (safetensors, GGUF, pickled checkpoints)
+SINGLE_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf", ".ckpt", ".pt", ".pth")

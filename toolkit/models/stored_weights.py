@@ -1,5 +1,6 @@
 """A model part loaded from a single file as its weights are stored: names converted to diffusers' (or
-transformers') by the family's converter, fp8 weights (ComfyUI's plain and "scaled" fp8 files) kept in fp8.
+transformers') by the family's converter, fp8 weights (ComfyUI's plain and "scaled" fp8 files) kept in fp8, GGUF
+weights kept quantized.
 
 An fp8 Linear weight becomes an optimum-quanto qfloat8 weight made of the stored bytes and the file's scale (1 for a
 plain fp8 file), never upcast first: a layer computes with the stored weight dequantized in the compute dtype (the
@@ -7,6 +8,10 @@ bytes times the scale), which is how ComfyUI computes with such a file, and a Lo
 base (toolkit/quantize.py). quanto lacks a way to take already-quantized bytes as they are; the layer is built from
 its own classes (`WeightQBytesTensor`), so everything else about it (matmul, the LoRA's backward, its size) is
 quanto's. Other fp8 tensors (convolutions, embeddings, norms: a small part) are dequantized into the compute dtype.
+
+A GGUF file (read by diffusers' `load_gguf_checkpoint`) keeps its quantized Linear weights as diffusers' GGUFLinear
+(dequantized into the compute dtype at each call, as ComfyUI-GGUF computes); diffusers' own GGUF loading goes through
+its single-file converters, which assume the full-size widths for some families (FLUX.1), hence this path.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ def read_stored(path: str | Path, prefix: str = "") -> StoredState:
 
         with safe_open(str(path), "pt") as handle:
             tensors = {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
+    elif path.suffix == ".gguf":
+        from diffusers.models.model_loading_utils import load_gguf_checkpoint
+
+        tensors = {k[len(prefix):]: v for k, v in load_gguf_checkpoint(str(path)).items() if k.startswith(prefix)}
+        return StoredState(tensors)
     elif path.suffix in (".ckpt", ".pt", ".pth", ".bin"):
         loaded = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
         for wrapper in ("state_dict", "ema_state_dict", "module"):
@@ -144,6 +154,24 @@ def stored_linear(linear: torch.nn.Linear, weight: torch.Tensor, row_scale: torc
     return module
 
 
+def is_gguf(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "GGUFParameter"
+
+
+def gguf_linear(linear: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                device: torch.device) -> torch.nn.Module:
+    """diffusers' GGUFLinear holding a GGUF file's quantized weight as stored: each call dequantizes it into `dtype`
+    (`compute_dtype`), which is how ComfyUI-GGUF computes with the same file."""
+    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+
+    module = GGUFLinear(linear.in_features, linear.out_features, bias is not None, compute_dtype=dtype,
+                        device="meta")
+    module.weight = GGUFParameter(weight.as_tensor().to(device), quant_type=weight.quant_type)
+    module.bias = None if bias is None else torch.nn.Parameter(bias.to(device, dtype), requires_grad=False)
+    module.requires_grad_(False)
+    return module
+
+
 def dequantized(tensor: torch.Tensor, row_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """An fp8 tensor as the compute dtype sees it: the stored values (times their scale) in `dtype`."""
     value = tensor.to(dtype)
@@ -172,19 +200,27 @@ def fill_stored(model: torch.nn.Module, state: StoredState, dtype: torch.dtype, 
         detail += [f"{len(unexpected)} tensors the model does not have (e.g. {unexpected[0]})"] if unexpected else []
         raise UserError(f"{source}: the weights do not fit {type(model).__name__}'s config: {'; '.join(detail)}")
     keep_fp32 = float32_modules(model, dtype)
-    if keep_fp8:
-        for name, module in list(model.named_modules()):
-            weight = tensors.get(f"{name}.weight")
-            if type(module) is torch.nn.Linear and weight is not None and weight.dtype in FP8_DTYPES:
-                bias = tensors.pop(f"{name}.bias", None)
-                tensors.pop(f"{name}.weight")
-                parent, _, child = name.rpartition(".")
-                replacement = stored_linear(module, weight, state.row_scales.get(f"{name}.weight"), bias, dtype,
-                                            device)
-                setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    for name, module in list(model.named_modules()):
+        weight = tensors.get(f"{name}.weight")
+        if type(module) is not torch.nn.Linear or weight is None:
+            continue
+        if is_gguf(weight):
+            replacement = gguf_linear(module, tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.bias", None), dtype,
+                                      device)
+        elif keep_fp8 and weight.dtype in FP8_DTYPES:
+            replacement = stored_linear(module, tensors.pop(f"{name}.weight"), state.row_scales.get(f"{name}.weight"),
+                                        tensors.pop(f"{name}.bias", None), dtype, device)
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, replacement)
     for name, tensor in tensors.items():
         wanted = torch.float32 if keep_fp32 & set(name.split(".")) else dtype
-        if tensor.dtype in FP8_DTYPES:
+        if is_gguf(tensor):  # a quantized tensor outside a Linear layer (a convolution, an embedding): dequantized
+            from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+            tensor = torch.Tensor._make_subclass(torch.Tensor, dequantize_gguf_tensor(tensor)).to(wanted)
+        elif tensor.dtype in FP8_DTYPES:
             tensor = dequantized(tensor, state.row_scales.get(name), wanted)
         elif tensor.is_floating_point():
             tensor = tensor.to(wanted)
@@ -226,7 +262,7 @@ def load_part(path: str, kind, component: str, build: Callable[[dict], torch.nn.
     `kind` it is (from its names and shapes), the model built from that variant's shipped config (or `config`, from
     `model.single_file_config`; the variant is then None where it is of no known one), its tensors converted
     (`converter(part names, config)` gives the converter for the file's layout, or None for names already the
-    model's) and loaded as stored. Returns (model, variant)."""
+    model's) and loaded as stored."""
     from toolkit.models.single_files import UnknownFile, read_header
 
     header = read_header(path)
@@ -243,7 +279,21 @@ def load_part(path: str, kind, component: str, build: Callable[[dict], torch.nn.
         del state.tensors[name]
     state = convert(state, converter(part, config) if converter else None)
     fill_stored(model, state, dtype, device, f"{key} {path}", optional=optional)
-    return model, variant
+    return LoadedPart(model, variant, part.storage)
+
+
+@dataclass
+class LoadedPart:
+    """A part loaded from its file: the model, the variant it was read as (None: configs from
+    `single_file_config`), and how its weights are stored (`bf16`, `scaled fp8`, `gguf Q8_0`, ...)."""
+
+    model: torch.nn.Module
+    variant: object
+    storage: str
+
+    def origin(self, path: str) -> str:
+        title = self.variant.title if self.variant is not None else "configs of model.single_file_config"
+        return f"{path} ({title}, {self.storage})"
 
 
 def assign_files(paths: list[str], kinds: dict, key: str) -> dict[str, str]:

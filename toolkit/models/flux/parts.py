@@ -60,14 +60,15 @@ class FluxParts:
             return transformer, scheduler
         config = (FluxTransformer2DModel.load_config(self.override, subfolder="transformer")
                   if self.override else None)
-        transformer, self.variant = load_part(
-            self.source, self.kinds["transformer"], "transformer", FluxTransformer2DModel.from_config, dtype, "cpu",
-            converter=lambda part, _: to_diffusers if original_layout(part) else None, config=config)
+        loaded = load_part(self.source, self.kinds["transformer"], "transformer", FluxTransformer2DModel.from_config,
+                           dtype, "cpu", converter=lambda part, _: to_diffusers if original_layout(part) else None,
+                           config=config)
+        transformer, self.variant = loaded.model, loaded.variant
         if self.override:
             scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.override, subfolder="scheduler")
         else:
             scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.variant.config("scheduler"))
-        self.origins["transformer"] = f"{self.source} ({self.variant.title})"
+        self.origins["transformer"] = loaded.origin(self.source)
         return transformer, scheduler
 
     def text_encoders(self, dtype: torch.dtype) -> tuple[CLIPTextModel, T5EncoderModel]:
@@ -81,16 +82,14 @@ class FluxParts:
             return clip, t5
         files = assign_files(self.text_files, {slot: self.kinds[slot] for slot in ("clip_l", "t5xxl")},
                              "model.text_encoder_path")
-        clip, clip_variant = load_part(files["clip_l"], self.kinds["clip_l"], "text_encoder",
-                                       lambda c: CLIPTextModel(CLIPTextConfig(**c)), dtype, "cpu",
-                                       key="model.text_encoder_path", ignore=CLIP_EXTRAS)
-        t5, t5_variant = load_part(files["t5xxl"], self.kinds["t5xxl"], "text_encoder",
-                                   lambda c: T5EncoderModel(T5Config(**c)), dtype, "cpu",
-                                   key="model.text_encoder_path", optional=("embed_tokens.weight",))
-        t5.tie_weights()
-        self.origins["text_encoders"] = (f"{files['clip_l']} ({clip_variant.title}), "
-                                         f"{files['t5xxl']} ({t5_variant.title})")
-        return clip, t5
+        clip = load_part(files["clip_l"], self.kinds["clip_l"], "text_encoder",
+                         lambda c: CLIPTextModel(CLIPTextConfig(**c)), dtype, "cpu", key="model.text_encoder_path",
+                         ignore=CLIP_EXTRAS)
+        t5 = load_part(files["t5xxl"], self.kinds["t5xxl"], "text_encoder", lambda c: T5EncoderModel(T5Config(**c)),
+                       dtype, "cpu", key="model.text_encoder_path", optional=("embed_tokens.weight",))
+        t5.model.tie_weights()
+        self.origins["text_encoders"] = f"{clip.origin(files['clip_l'])}, {t5.origin(files['t5xxl'])}"
+        return clip.model, t5.model
 
     def vae(self, dtype: torch.dtype) -> AutoencoderKL:
         cfg = self.cfg
@@ -105,10 +104,10 @@ class FluxParts:
             self.origins["vae"] = path
             subfolder = "vae" if (Path(path) / "vae").is_dir() or not Path(path).is_dir() else None
             return AutoencoderKL.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
-        vae, variant = load_part(path, self.kinds["vae"], "vae", AutoencoderKL.from_config, dtype, "cpu",
-                                 converter=ldm_vae_converter, key="model.vae_name_or_path")
-        self.origins["vae"] = f"{path} ({variant.title})"
-        return vae
+        vae = load_part(path, self.kinds["vae"], "vae", AutoencoderKL.from_config, dtype, "cpu",
+                        converter=ldm_vae_converter, key="model.vae_name_or_path")
+        self.origins["vae"] = vae.origin(path)
+        return vae.model
 
     def tokenizers(self) -> tuple[CLIPTokenizer, object]:
         files = [self.source, *self.text_files]
