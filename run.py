@@ -6,6 +6,7 @@
     python run.py --status RUN_FOLDER                       # running / stopped / finished / failed / crashed
     python run.py --report RUN_FOLDER                       # rebuild RUN_FOLDER/report.html
     python run.py --convert-lora IN OUT --to comfy|diffusers|peft [--arch ARCH] [--model NAME_OR_PATH]
+    python run.py --models-from COMFY_MODELS_DIR [--arch ARCH]   # the bases in a ComfyUI folder, as `model:` sections
     python run.py --ui [TRAINING_FOLDER] [--host 127.0.0.1] [--port 8675] [--token T] [--allow-outside]
                   [--gpus 0,1 --gpus 2,3]                  # the web dashboard and its job queue (docs/ui.md)
 """
@@ -38,7 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rewrite an adapter file in the other form (effective deltas unchanged)")
     parser.add_argument("--to", choices=["comfy", "diffusers", "peft"],
                         help="--convert-lora: the form to write (peft: a folder for PeftModel.from_pretrained)")
-    parser.add_argument("--arch", help="--convert-lora: the model family, when the file's header does not say")
+    parser.add_argument("--arch", help="--convert-lora: the model family, when the file's header does not say; "
+                        "--models-from: the one family to look for")
+    parser.add_argument("--models-from", metavar="COMFY_MODELS_DIR", help="list which files of a ComfyUI models "
+                        "folder make a complete base for each family, and print the `model:` section to paste")
     parser.add_argument("--model", help="--convert-lora from kohya keys: the model whose module names resolve them "
                         "(default: the base model in the file's header)")
     parser.add_argument("--import-config", metavar="FILE", help="write a difftune job that means the same training "
@@ -62,14 +66,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.convert_lora is not None and args.to is None:
         parser.error("--convert-lora needs --to comfy, --to diffusers or --to peft")
-    tools = [name for name in ("control", "status", "report", "convert_lora", "ui", "import_config")
+    tools = [name for name in ("control", "status", "report", "convert_lora", "ui", "import_config", "models_from")
              if getattr(args, name) is not None]
     if len(tools) > 1 or (tools and args.configs):
         parser.error("give job files, or one of --control / --status / --report / --convert-lora / --ui / "
-                     "--import-config")
+                     "--import-config / --models-from")
     if not tools and not args.configs:
         parser.error("give one or more job files (or --control / --status / --report / --convert-lora / --ui / "
-                     "--import-config)")
+                     "--import-config / --models-from)")
     if args.output is not None and args.import_config is None:
         parser.error("-o/--output goes with --import-config")
     return args
@@ -82,6 +86,8 @@ def run_tool(args: argparse.Namespace) -> int:
 
     if args.convert_lora is not None:
         return convert_lora(args)
+    if args.models_from is not None:
+        return models_from(args)
     if args.import_config is not None:
         return import_config(args)
     if args.ui is not None:
@@ -299,12 +305,32 @@ def convert_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def models_from(args: argparse.Namespace) -> int:
+    """--models-from: the bases a ComfyUI models folder holds, family by family (file headers only)."""
+    from toolkit.errors import UserError
+    from toolkit.models.comfy_folder import report
+    from toolkit.models.registry import available_archs, family_files
+
+    try:
+        families = {arch: family_files(arch) for arch in available_archs()}
+        if args.arch and families.get(args.arch, family_files(args.arch)) is None:
+            raise UserError(f"--arch {args.arch}: this family reads only its denoiser from a single file so far "
+                            "(docs/models.md)")
+        readable = {arch: files for arch, files in families.items() if files is not None}
+        print(report(args.models_from, readable, [args.arch] if args.arch else None), end="")
+    except (UserError, ValueError) as err:
+        log.error("%s", err)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: library bars (diffusers, accelerate) go quiet too
-    if args.control or args.status or args.report or args.convert_lora or args.ui or args.import_config:
+    if (args.control or args.status or args.report or args.convert_lora or args.ui or args.import_config
+            or args.models_from):
         return run_tool(args)
     return run_jobs(args)
 

@@ -18,9 +18,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from toolkit.errors import UserError
 from toolkit.models.flux.adapter import FluxAdapter
-from toolkit.models.flux.files import flux_kinds
+from toolkit.models.flux.files import flux_files
 from toolkit.models.flux.layout import to_diffusers
-from toolkit.models.flux_kontext.files import kontext_kinds
+from toolkit.models.flux_kontext.files import kontext_files
 from toolkit.models.part_kinds import VARIANTS as SHARED_VARIANTS
 from toolkit.models.registry import get_adapter_class, model_config
 from toolkit.models.single_files import FileHeader, TensorInfo, UnknownFile
@@ -87,14 +87,14 @@ def test_every_published_flux_variant_is_told_from_its_names_and_shapes(name, la
     header = {"bfl": lambda: header_of(flux_original_layout(state)),
               "comfy_checkpoint": lambda: header_of(flux_original_layout(state), "model.diffusion_model."),
               "diffusers": lambda: header_of(state)}[layout]()
-    part, variant = flux_kinds()["transformer"].variant(header)
+    part, variant = flux_files().denoiser.variant(header)
     assert variant.name == name
     assert part.prefix == ("model.diffusion_model." if layout == "comfy_checkpoint" else "")
 
 
 def test_kontext_is_its_own_familys_variant():
     state = full_transformer(KONTEXT_VARIANTS["flux1-kontext-dev"]["configs"]["transformer"])
-    _, variant = kontext_kinds()["transformer"].variant(header_of(flux_original_layout(state)))
+    _, variant = kontext_files().denoiser.variant(header_of(flux_original_layout(state)))
     assert variant.name == "flux1-kontext-dev"
 
 
@@ -103,13 +103,13 @@ def test_a_transformer_of_no_known_variant_is_named_with_what_was_read():
     header = header_of(flux_original_layout(full_transformer(config)), name="/models/odd.safetensors")
     with pytest.raises(UnknownFile, match=r"odd\.safetensors: a FLUX.1 transformer of no known variant \(read: double "
                                           r"blocks 12, single blocks 38, width 3072.*single_file_config"):
-        flux_kinds()["transformer"].variant(header)
+        flux_files().denoiser.variant(header)
 
 
 def test_a_file_of_another_part_is_not_taken_for_a_transformer():
     state = meta_state(lambda: T5EncoderModel(T5Config(**published_config("text_encoders.json", "t5-xxl"))))
     with pytest.raises(UnknownFile, match="not a FLUX.1 transformer file"):
-        flux_kinds()["transformer"].variant(header_of(state))
+        flux_files().denoiser.variant(header_of(state))
 
 
 def published_config(file: str, name: str) -> dict:
@@ -118,7 +118,7 @@ def published_config(file: str, name: str) -> dict:
 
 
 def test_the_full_size_text_encoders_and_vae_are_told_apart():
-    kinds = flux_kinds()
+    kinds = flux_files().kinds()
     clip = meta_state(lambda: CLIPTextModel(CLIPTextConfig(**published_config("text_encoders.json", "clip-l"))))
     t5 = meta_state(lambda: T5EncoderModel(T5Config(**published_config("text_encoders.json", "t5-xxl"))))
     vae = meta_state(lambda: AutoencoderKL.from_config(published_config("vaes.json", "flux-vae")))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from toolkit.models.base import ModelAdapter
     from toolkit.models.config import FamilyFacts, ModelConfigBase
+    from toolkit.models.single_files import FamilyFiles
 
 
 @dataclass(frozen=True)
@@ -19,12 +20,15 @@ class Family:
     config: str
     #: "module:Class" of its ModelAdapter
     adapter: str
+    #: "module:function" giving its `FamilyFiles` (torch-free), for a family that takes every part as a single file
+    files: str | None = None
 
 
 FAMILIES: dict[str, Family] = {family.arch: family for family in (
-    Family("flux", "toolkit.models.flux.config:FluxModelConfig", "toolkit.models.flux.adapter:FluxAdapter"),
+    Family("flux", "toolkit.models.flux.config:FluxModelConfig", "toolkit.models.flux.adapter:FluxAdapter",
+           "toolkit.models.flux.files:flux_files"),
     Family("flux_kontext", "toolkit.models.flux_kontext.config:FluxKontextModelConfig",
-           "toolkit.models.flux_kontext.adapter:FluxKontextAdapter"),
+           "toolkit.models.flux_kontext.adapter:FluxKontextAdapter", "toolkit.models.flux_kontext.files:kontext_files"),
     Family("qwen_image", "toolkit.models.qwen_image.config:QwenImageModelConfig",
            "toolkit.models.qwen_image.adapter:QwenImageAdapter"),
     Family("qwen_image_edit", "toolkit.models.qwen_image_edit.config:QwenImageEditModelConfig",
@@ -68,6 +72,12 @@ def family_facts(arch: str) -> FamilyFacts:
 def model_config(**values: Any) -> ModelConfigBase:
     """A `model` section for `values["arch"]` (tools and tests that build one without a job file)."""
     return config_class(values.get("arch", "")).model_validate(values)
+
+
+def family_files(arch: str) -> FamilyFiles | None:
+    """What the family takes as single files (None: a family that reads only its denoiser from a file so far)."""
+    reference = family(arch).files
+    return _load(reference)() if reference else None
 
 
 def get_adapter_class(arch: str) -> type[ModelAdapter]:

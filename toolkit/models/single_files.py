@@ -113,8 +113,8 @@ class PartNames:
             return "gguf " + ("/".join(quantized) if quantized else "/".join(sorted(self.stored_dtypes)))
         if self.fp8:
             return "scaled fp8" if self.scaled else "fp8"
-        floats = sorted(self.stored_dtypes)
-        return "/".join(d.lower() for d in floats) or "empty"
+        names = {"F32": "float32", "F16": "fp16", "BF16": "bf16", "F64": "float64"}
+        return "/".join(names.get(d, d.lower()) for d in sorted(self.stored_dtypes)) or "empty"
 
 
 def read_header(path: str | Path) -> FileHeader:
@@ -183,6 +183,9 @@ class Variant:
     title: str
     facts: Mapping[str, Any]
     configs: Mapping[str, Mapping[str, Any]] | Callable[[], Mapping[str, Mapping[str, Any]]]
+    #: a word the files of this variant have in their names where other variants have the same names and shapes
+    #: (FLUX.1 Kontext's transformer is FLUX.1 [dev]'s layout): `--models-from` uses it to say which a file is
+    hint: str | None = None
 
     def config(self, component: str) -> dict[str, Any]:
         configs = self.configs() if callable(self.configs) else self.configs
@@ -222,6 +225,21 @@ class PartKind:
                           "of it (its configs are read from there)")
 
 
+@dataclass(frozen=True)
+class FamilyFiles:
+    """What a family takes as single files: its denoiser, its text encoders by slot, its VAE, and where a ComfyUI
+    installation keeps each of its tokenizers ({pipeline tokenizer subfolder: folder in ComfyUI's source tree})."""
+
+    denoiser: PartKind
+    text_encoders: dict[str, PartKind]
+    vae: PartKind
+    comfy_tokenizers: dict[str, str]
+
+    def kinds(self) -> dict[str, PartKind]:
+        """Every part kind by role: `denoiser`, each text encoder's slot, `vae`."""
+        return {"denoiser": self.denoiser, **self.text_encoders, "vae": self.vae}
+
+
 def format_facts(facts: Mapping[str, Any]) -> str:
     return ", ".join(f"{key} {value}" for key, value in facts.items())
 
@@ -247,7 +265,8 @@ def load_variants(path: Path, extra: Iterable[Variant] = ()) -> tuple[Variant, .
     """The variants a package ships in a JSON file ({name: {"title", "facts", "configs"}}), then `extra` (the tiny
     presets')."""
     entries = json.loads(path.read_text())
-    shipped = tuple(Variant(name, entry["title"], entry["facts"], entry["configs"]) for name, entry in entries.items())
+    shipped = tuple(Variant(name, entry["title"], entry["facts"], entry["configs"], entry.get("hint"))
+                    for name, entry in entries.items())
     return shipped + tuple(extra)
 
 

@@ -49,7 +49,7 @@ from toolkit.models.common import (
     vae_latents,
 )
 from toolkit.models.flux.config import FACTS, FluxModelConfig
-from toolkit.models.flux.files import flux_kinds
+from toolkit.models.flux.files import flux_files
 from toolkit.models.flux.parts import FluxParts
 from toolkit.models.flux.tiny import ensure_tiny_flex, ensure_tiny_flux, ensure_tiny_flux_schnell
 from toolkit.network.lora import merge_lora_state
@@ -157,6 +157,8 @@ class FluxAdapter(ModelAdapter):
     tiny_sources: ClassVar[dict[str, Callable[[], Path]]] = TINY_SOURCES
     #: a single-file transformer's other parts, by whether it has guidance-embedding weights
     default_components: ClassVar[dict[bool, str]] = DEFAULT_COMPONENTS
+    #: what the family takes as single files (the registry's `files` of the family)
+    single_files = staticmethod(flux_files)
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler, source: str,
                  max_sequence_length: int | None = None):
@@ -224,11 +226,6 @@ class FluxAdapter(ModelAdapter):
         name_or_path = normalize_path(name_or_path, key)
         tiny = cls.tiny_sources
         return str(tiny[name_or_path]()) if name_or_path in tiny else name_or_path
-
-    @classmethod
-    def part_kinds(cls) -> dict:
-        """{"transformer", "clip_l", "t5xxl", "vae"}: what each part's file may be (toolkit/models/flux/files.py)."""
-        return flux_kinds()
 
     #: fnmatch patterns over the transformer's module names that stay in full precision: the input embedders, the
     #: timestep/guidance/text embedding and the final norm and projection (small and precision-sensitive). The

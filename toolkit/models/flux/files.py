@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.models import part_kinds
-from toolkit.models.single_files import DENOISER_PREFIXES, PartKind, PartNames, Variant, load_variants
+from toolkit.models.single_files import (
+    DENOISER_PREFIXES,
+    FamilyFiles,
+    PartKind,
+    PartNames,
+    Variant,
+    load_variants,
+)
 
 VARIANTS = Path(__file__).parent / "variants.json"
 
@@ -40,13 +47,13 @@ def original_layout(part: PartNames) -> bool:
     return part.has("img_in.weight")
 
 
-def tiny_variant(name: str, preset: dict, folder) -> Variant:
+def tiny_variant(name: str, preset: dict, folder, hint: str | None = None) -> Variant:
     """A tiny preset as a variant: its facts from the preset, its configs read from its built folder."""
     t = preset["transformer"]
     facts = {"double blocks": t["num_layers"], "single blocks": t["num_single_layers"],
              "width": t["num_attention_heads"] * t["attention_head_dim"], "input channels": t["in_channels"],
              "guidance embedding": t["guidance_embeds"]}
-    return Variant(name, f"tiny FLUX.1 preset ({name})", facts, lambda: folder_configs(folder()))
+    return Variant(name, f"tiny FLUX.1 preset ({name})", facts, lambda: folder_configs(folder()), hint)
 
 
 def folder_configs(folder: Path) -> dict[str, dict]:
@@ -74,18 +81,21 @@ def transformer_kind(variants_file: Path, tiny: list[Variant], title: str = "FLU
     return PartKind("flux_transformer", title, read_transformer, load_variants(variants_file, tiny), DENOISER_PREFIXES)
 
 
-def family_kinds(variants_file: Path, presets: dict[str, tuple[dict, Any]], title: str) -> dict[str, PartKind]:
-    """The part kinds of a FLUX.1-layout family: {"transformer", "clip_l", "t5xxl", "vae"}; `presets` are its tiny
-    presets ({name: (preset dict, folder builder)}), whose parts are known variants too."""
-    tiny = [tiny_variant(name, preset, folder) for name, (preset, folder) in presets.items()]
+def family_files(variants_file: Path, presets: dict[str, tuple[dict, Any]], title: str,
+                 hint: str | None = None) -> FamilyFiles:
+    """The single files of a FLUX.1-layout family: its transformer, CLIP-L and T5-XXL, the VAE; `presets` are its
+    tiny presets ({name: (preset dict, folder builder)}), whose parts are known variants too (with the family's
+    file-name `hint` where its layout is another family's)."""
+    tiny = [tiny_variant(name, preset, folder, hint) for name, (preset, folder) in presets.items()]
     first_preset, first_folder = next(iter(presets.values()))
     parts = tiny_parts(first_preset, first_folder)
-    return {"transformer": transformer_kind(variants_file, tiny, title),
-            "clip_l": part_kinds.clip_l([parts["clip_l"]]), "t5xxl": part_kinds.t5_xxl([parts["t5xxl"]]),
-            "vae": part_kinds.flux_vae([parts["vae"]])}
+    return FamilyFiles(denoiser=transformer_kind(variants_file, tiny, title),
+                       text_encoders={"clip_l": part_kinds.clip_l([parts["clip_l"]]),
+                                      "t5xxl": part_kinds.t5_xxl([parts["t5xxl"]])},
+                       vae=part_kinds.flux_vae([parts["vae"]]), comfy_tokenizers=COMFY_TOKENIZERS)
 
 
-def flux_kinds() -> dict[str, PartKind]:
+def flux_files() -> FamilyFiles:
     from toolkit.models.flux.tiny import (
         TINY_FLEX,
         TINY_FLUX_DEV,
@@ -95,6 +105,6 @@ def flux_kinds() -> dict[str, PartKind]:
         ensure_tiny_flux_schnell,
     )
 
-    return family_kinds(VARIANTS, {"tiny": (TINY_FLUX_DEV, ensure_tiny_flux),
+    return family_files(VARIANTS, {"tiny": (TINY_FLUX_DEV, ensure_tiny_flux),
                                    "tiny-schnell": (TINY_FLUX_SCHNELL, ensure_tiny_flux_schnell),
                                    "tiny-flex": (TINY_FLEX, ensure_tiny_flex)}, "FLUX.1 transformer")

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, CLIPToken
 
 from toolkit.errors import UserError
 from toolkit.models.common import is_single_file, pretrained_denoiser
-from toolkit.models.flux.files import COMFY_TOKENIZERS, original_layout
+from toolkit.models.flux.files import original_layout
 from toolkit.models.flux.layout import to_diffusers
 from toolkit.models.single_files import tokenizer_source
 from toolkit.models.stored_weights import assign_files, load_part
@@ -31,7 +31,7 @@ class FluxParts:
         self.cfg = model_cfg
         self.source = source
         self.single = is_single_file(source)
-        self.kinds = adapter_class.part_kinds()
+        self.files = adapter_class.single_files()
         self.override = (adapter_class.resolve_source(model_cfg.single_file_config, "model.single_file_config")
                          if model_cfg.single_file_config else None)
         self.variant = None
@@ -60,7 +60,7 @@ class FluxParts:
             return transformer, scheduler
         config = (FluxTransformer2DModel.load_config(self.override, subfolder="transformer")
                   if self.override else None)
-        loaded = load_part(self.source, self.kinds["transformer"], "transformer", FluxTransformer2DModel.from_config,
+        loaded = load_part(self.source, self.files.denoiser, "transformer", FluxTransformer2DModel.from_config,
                            dtype, "cpu", converter=lambda part, _: to_diffusers if original_layout(part) else None,
                            config=config)
         transformer, self.variant = loaded.model, loaded.variant
@@ -80,12 +80,12 @@ class FluxParts:
             t5 = T5EncoderModel.from_pretrained(where, subfolder="text_encoder_2", dtype=dtype, **kw)
             self.origins["text_encoders"] = where
             return clip, t5
-        files = assign_files(self.text_files, {slot: self.kinds[slot] for slot in ("clip_l", "t5xxl")},
-                             "model.text_encoder_path")
-        clip = load_part(files["clip_l"], self.kinds["clip_l"], "text_encoder",
+        kinds = self.files.text_encoders
+        files = assign_files(self.text_files, kinds, "model.text_encoder_path")
+        clip = load_part(files["clip_l"], kinds["clip_l"], "text_encoder",
                          lambda c: CLIPTextModel(CLIPTextConfig(**c)), dtype, "cpu", key="model.text_encoder_path",
                          ignore=CLIP_EXTRAS)
-        t5 = load_part(files["t5xxl"], self.kinds["t5xxl"], "text_encoder", lambda c: T5EncoderModel(T5Config(**c)),
+        t5 = load_part(files["t5xxl"], kinds["t5xxl"], "text_encoder", lambda c: T5EncoderModel(T5Config(**c)),
                        dtype, "cpu", key="model.text_encoder_path", optional=("embed_tokens.weight",))
         t5.model.tie_weights()
         self.origins["text_encoders"] = f"{clip.origin(files['clip_l'])}, {t5.origin(files['t5xxl'])}"
@@ -104,7 +104,7 @@ class FluxParts:
             self.origins["vae"] = path
             subfolder = "vae" if (Path(path) / "vae").is_dir() or not Path(path).is_dir() else None
             return AutoencoderKL.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
-        vae = load_part(path, self.kinds["vae"], "vae", AutoencoderKL.from_config, dtype, "cpu",
+        vae = load_part(path, self.files.vae, "vae", AutoencoderKL.from_config, dtype, "cpu",
                         converter=ldm_vae_converter, key="model.vae_name_or_path")
         self.origins["vae"] = vae.origin(path)
         return vae.model
@@ -113,7 +113,7 @@ class FluxParts:
         files = [self.source, *self.text_files]
         found = []
         for subfolder, loader in (("tokenizer", CLIPTokenizer), ("tokenizer_2", AutoTokenizer)):
-            where = tokenizer_source(subfolder, COMFY_TOKENIZERS[subfolder], self.cfg.tokenizer, files,
+            where = tokenizer_source(subfolder, self.files.comfy_tokenizers[subfolder], self.cfg.tokenizer, files,
                                      self.components)
             kw = {"subfolder": where.subfolder} if where.subfolder else {}
             if where.origin == "the base" and self.single and self.text_files and not self.override:

@@ -19,7 +19,7 @@ from PIL import Image
 
 from toolkit.models.flux.adapter import FluxAdapter, FluxSampling
 from toolkit.models.flux_kontext.config import FACTS
-from toolkit.models.flux_kontext.files import kontext_kinds
+from toolkit.models.flux_kontext.files import kontext_files
 from toolkit.models.flux_kontext.tiny import ensure_tiny_flux_kontext
 
 
@@ -62,10 +62,7 @@ class FluxKontextAdapter(FluxAdapter):
     sampling_parts = FluxKontextSampling
     tiny_sources = {"tiny": ensure_tiny_flux_kontext}
     default_components = {True: "black-forest-labs/FLUX.1-Kontext-dev", False: "black-forest-labs/FLUX.1-Kontext-dev"}
-
-    @classmethod
-    def part_kinds(cls) -> dict:
-        return kontext_kinds()
+    single_files = staticmethod(kontext_files)
 
     def reference_tokens(self, references: list[torch.Tensor], dtype: torch.dtype,
                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

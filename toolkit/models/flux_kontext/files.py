@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.models.flux.files import family_kinds
-from toolkit.models.single_files import PartKind
+from toolkit.models.flux.files import family_files
+from toolkit.models.single_files import FamilyFiles
 
 VARIANTS = Path(__file__).parent / "variants.json"
 
 
-def kontext_kinds() -> dict[str, PartKind]:
+def kontext_files() -> FamilyFiles:
     from toolkit.models.flux_kontext.tiny import TINY_FLUX_KONTEXT, ensure_tiny_flux_kontext
 
-    return family_kinds(VARIANTS, {"tiny": (TINY_FLUX_KONTEXT, ensure_tiny_flux_kontext)},
-                        "FLUX.1 Kontext transformer")
+    return family_files(VARIANTS, {"tiny": (TINY_FLUX_KONTEXT, ensure_tiny_flux_kontext)},
+                        "FLUX.1 Kontext transformer", hint="kontext")
