@@ -243,12 +243,32 @@ def test_a_gguf_transformer_computes_with_its_quantized_weights_dequantized(refe
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
 
 
+def qtypes(module: torch.nn.Module) -> set[str]:
+    return {m.weight.qtype.name for m in module.modules() if hasattr(getattr(m, "weight", None), "qtype")}
+
+
 def test_quantizing_an_fp8_file_keeps_its_stored_layers_and_quantizes_the_rest(comfy_install):
     paths = comfy_install("scaled_fp8")
-    adapter = FluxAdapter.load(files_config(paths, quantize=True, qtype="qint8"), CPU, torch.float32)
-    qtypes = {m.weight.qtype.name for m in adapter.transformer.modules() if hasattr(getattr(m, "weight", None), "qtype")}
-    assert qtypes == {"qfloat8_e4m3fn"}  # every block linear was stored fp8; the excluded layers stay full precision
+    adapter = FluxAdapter.load(files_config(paths, quantize=True, qtype="qint8", quantize_te=True, qtype_te="qint8"),
+                               CPU, torch.float32)
+    # every block linear was stored fp8; the excluded layers stay full precision
+    assert qtypes(adapter.transformer) == {"qfloat8_e4m3fn"}
     assert adapter.transformer.x_embedder.weight.dtype == torch.float32
+    assert qtypes(adapter.text_encoder_2) == {"qfloat8_e4m3fn"}
+
+
+def test_a_folder_base_takes_its_text_encoders_and_vae_from_files(reference, comfy_install, tiny_cache):
+    """Parts named as files replace the folder's (an fp8 T5 beside a full-precision base, to save memory)."""
+    from toolkit.models.flux.tiny import ensure_tiny_flux
+
+    paths = comfy_install("fp8")
+    cfg = model_config(arch="flux", name_or_path=str(ensure_tiny_flux()), vae_name_or_path=str(paths["vae"]),
+                       text_encoder_path=[str(paths["clip_l"]), str(paths["t5xxl"])])
+    mixed = FluxAdapter.load(cfg, CPU, torch.float32)
+    assert qtypes(mixed.text_encoder_2) == {"qfloat8_e4m3fn"} and not qtypes(mixed.transformer)
+    assert mixed.parts_from["vae"].startswith(str(paths["vae"])) and mixed.parts_from["tokenizer"].endswith("(the base)")
+    embeds, _ = predictions(mixed)
+    assert not torch.equal(embeds, predictions(reference(torch.float32))[0])  # the fp8 T5's
 
 
 def test_kontext_loads_from_comfyuis_files(comfy_install, tiny_cache):

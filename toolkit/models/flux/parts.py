@@ -110,7 +110,7 @@ class FluxParts:
         return vae.model
 
     def tokenizers(self) -> tuple[CLIPTokenizer, object]:
-        files = [self.source, *self.text_files]
+        files = [self.source, *self.text_files] if self.single else []  # a folder base keeps its own tokenizers
         found = []
         for subfolder, loader in (("tokenizer", CLIPTokenizer), ("tokenizer_2", AutoTokenizer)):
             where = tokenizer_source(subfolder, self.files.comfy_tokenizers[subfolder], self.cfg.tokenizer, files,
