@@ -310,6 +310,16 @@ def test_model_tokenizer_names_where_tokenizers_come_from(reference, comfy_insta
         FluxAdapter.load(files_config(moved), CPU, torch.float32)  # the default repo, not in the offline cache
 
 
+def test_a_cut_short_file_is_named(comfy_install, tmp_path):
+    """A download that stopped: the header reads (the variant is known), the weights do not."""
+    paths = dict(comfy_install("float32"))
+    data = paths["transformer"].read_bytes()
+    paths["transformer"] = tmp_path / "flux1-dev.safetensors"
+    paths["transformer"].write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=r"flux1-dev.safetensors: the weights cannot be read"):
+        FluxAdapter.load(files_config(paths), CPU, torch.float32)
+
+
 def test_text_encoder_files_are_told_apart_and_wrong_sets_are_named(comfy_install):
     paths = comfy_install("float32")
     cfg = lambda *files: model_config(arch="flux", name_or_path=str(paths["transformer"]),  # noqa: E731

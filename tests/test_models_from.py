@@ -20,10 +20,11 @@ DTYPE_NAMES = {"bf16": "BF16", "fp16": "F16", "fp8": "F8_E4M3"}
 
 
 def header_only(path: Path, shapes: dict[str, tuple[int, ...]], storage: str = "bf16") -> Path:
-    """A safetensors file with a real header (2-D weights in `storage`, the rest in bf16) and no tensor data."""
+    """A safetensors file with a real header (its tensors in `storage`; for fp8 the 2-D weights, the rest in bf16)
+    and no tensor data."""
     header, offset = {}, 0
     for name, shape in shapes.items():
-        dtype = DTYPE_NAMES[storage] if len(shape) == 2 else "BF16"
+        dtype = DTYPE_NAMES[storage] if len(shape) == 2 or storage != "fp8" else "BF16"
         size = 1
         for n in shape:
             size *= n
@@ -129,4 +130,4 @@ def test_run_py_lists_one_family_or_says_it_reads_no_single_files_yet(tmp_path, 
     assert run.main(["--models-from", str(tmp_path / "ComfyUI"), "--arch", "flux"]) == 0
     printed = capsys.readouterr().out
     assert "arch: flux" in printed and "flux_kontext" not in printed
-    assert run.main(["--models-from", str(tmp_path / "ComfyUI"), "--arch", "sd15"]) == 2
+    assert run.main(["--models-from", str(tmp_path / "ComfyUI"), "--arch", "wan"]) == 2

@@ -149,13 +149,20 @@ def model_section(base: FamilyBases, denoiser: Match, tokenizer_root: Path | Non
              f"  arch: {base.arch}", f"  name_or_path: {denoiser.path}"]
     if base.missing:
         lines.insert(1, f"# incomplete: no {', no '.join(base.missing)} in this folder")
-    chosen = {slot: preferred(found, denoiser) for slot, found in base.slots.items() if found}
+    inside = [slot for slot, found in base.slots.items() if any(m.path == denoiser.path for m in found)]
+    if inside:  # a full checkpoint: the loader reads these parts from the denoiser's own file
+        lines.append(f"  # {', '.join(base.files.text_encoders[s].title for s in inside)}: in {denoiser.path.name}")
+    chosen = {slot: preferred(found, denoiser) for slot, found in base.slots.items() if found and slot not in inside}
+    if chosen and len(chosen) < len(base.slots):  # some text encoders from the file, some named: name them all
+        chosen = {slot: preferred(found, denoiser) for slot, found in base.slots.items() if found}
     if chosen:
         lines.append("  text_encoder_path:")
         for slot, ordered in chosen.items():
             others = f"  # or: {', '.join(m.path.name for m in ordered[1:])}" if len(ordered) > 1 else ""
             lines.append(f"    - {ordered[0].path}{others}")
-    if base.vaes:
+    if any(m.path == denoiser.path for m in base.vaes):
+        lines.append(f"  # {base.files.vae.title}: in {denoiser.path.name} (vae_name_or_path for another)")
+    elif base.vaes:
         ordered = preferred(base.vaes, denoiser)
         others = f"  # or: {', '.join(m.path.name for m in ordered[1:])}" if len(ordered) > 1 else ""
         lines.append(f"  vae_name_or_path: {ordered[0].path}{others}")

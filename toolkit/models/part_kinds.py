@@ -8,6 +8,7 @@ variants, plus the family's tiny presets' variants.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -57,29 +58,36 @@ def read_t5_encoder(part: PartNames) -> dict[str, Any] | None:
             "per-layer position bias": part.has("encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight")}
 
 
-def read_ldm_vae(part: PartNames) -> dict[str, Any] | None:
-    """An AutoencoderKL in the original (LDM) names (`encoder.down.0.block.0...`, as ae.safetensors and the SD VAEs
-    are stored): latent channels, the widths of its levels, and whether it has the quant convs."""
-    conv_out = part.shape("encoder.conv_out.weight")
-    if conv_out is None or not part.has("encoder.down.0.block.0.conv1.weight"):
-        return None
-    levels = part.count(r"encoder\.down\.(\d+)\.")
-    widths = [part.shape(f"encoder.down.{i}.block.0.conv1.weight")[0] for i in range(levels)]
-    return {"latent channels": conv_out[0] // 2, "widths": widths, "quant conv": part.has("quant_conv.weight")}
-
-
-def read_diffusers_vae(part: PartNames) -> dict[str, Any] | None:
-    """The same facts of an AutoencoderKL saved in diffusers' names (`encoder.down_blocks.0.resnets.0...`)."""
-    conv_out = part.shape("encoder.conv_out.weight")
-    if conv_out is None or not part.has("encoder.down_blocks.0.resnets.0.conv1.weight"):
-        return None
-    levels = part.count(r"encoder\.down_blocks\.(\d+)\.")
-    widths = [part.shape(f"encoder.down_blocks.{i}.resnets.0.conv1.weight")[0] for i in range(levels)]
-    return {"latent channels": conv_out[0] // 2, "widths": widths, "quant conv": part.has("quant_conv.weight")}
+#: an AutoencoderKL's encoder levels and each level's first convolution, in the original (LDM) names (as
+#: ae.safetensors and the SD VAEs are stored) and in diffusers'
+VAE_LAYOUTS = (("encoder.down", "block.0.conv1.weight"), ("encoder.down_blocks", "resnets.0.conv1.weight"))
 
 
 def read_autoencoder_kl(part: PartNames) -> dict[str, Any] | None:
-    return read_ldm_vae(part) or read_diffusers_vae(part)
+    """An AutoencoderKL in either layout: latent channels, the widths of its levels, and whether it has the quant
+    convs."""
+    conv_out = part.shape("encoder.conv_out.weight")
+    for levels, first in VAE_LAYOUTS:
+        if conv_out is not None and part.has(f"{levels}.0.{first}"):
+            count = part.count(rf"{re.escape(levels)}\.(\d+)\.")
+            widths = [part.shape(f"{levels}.{i}.{first}")[0] for i in range(count)]
+            return {"latent channels": conv_out[0] // 2, "widths": widths, "quant conv": part.has("quant_conv.weight")}
+    return None
+
+
+def read_sd_unet(part: PartNames) -> dict[str, Any] | None:
+    """A Stable Diffusion UNet in the original (LDM) names (`input_blocks.N`, as checkpoints store it) or diffusers'
+    (`down_blocks.N`): its first width, input channels, the width of the text it attends to (cross-attention), whether
+    its transformers project with linear layers (SD 2.x, SDXL) and whether it takes an added embedding (SDXL's size
+    and pooled-text conditioning)."""
+    first = part.shape("input_blocks.0.0.weight") or part.shape("conv_in.weight")
+    if first is None or not (part.has("middle_block.0.in_layers.0.weight") or part.has("mid_block.resnets.0.conv1.weight")):
+        return None
+    cross = next((info.shape for name, info in sorted(part.tensors.items()) if name.endswith("attn2.to_k.weight")), None)
+    proj_in = next((info.shape for name, info in sorted(part.tensors.items()) if name.endswith(".proj_in.weight")), None)
+    return {"width": first[0], "input channels": first[1], "context width": cross[1] if cross else None,
+            "linear projection": bool(proj_in) and len(proj_in) == 2,
+            "added embedding": part.has("label_emb.0.0.weight") or part.has("add_embedding.linear_1.weight")}
 
 
 def clip_l(tiny: Iterable[Variant] = ()) -> PartKind:
@@ -94,4 +102,9 @@ def t5_xxl(tiny: Iterable[Variant] = ()) -> PartKind:
 
 def flux_vae(tiny: Iterable[Variant] = ()) -> PartKind:
     return kind("flux_vae", "FLUX.1 VAE", read_autoencoder_kl, published("vaes.json", "flux-vae") + tuple(tiny),
+                VAE_PREFIXES)
+
+
+def sd_vae(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("sd_vae", "Stable Diffusion VAE", read_autoencoder_kl, published("vaes.json", "sd-vae") + tuple(tiny),
                 VAE_PREFIXES)

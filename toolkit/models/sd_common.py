@@ -20,6 +20,17 @@ from toolkit.models.common import (
 )
 
 
+def ldm_unet_converter(part, config: dict):
+    """diffusers' converter of the original (LDM) UNet names, for a file in that layout (its `model.diffusion_model.`
+    prefix, which the part's names no longer carry, given back); none for diffusers' names."""
+    if not part.has("input_blocks.0.0.weight"):
+        return None
+    from diffusers.loaders.single_file_utils import LDM_UNET_KEY, convert_ldm_unet_checkpoint
+
+    return lambda checkpoint: convert_ldm_unet_checkpoint({LDM_UNET_KEY + k: v for k, v in checkpoint.items()},
+                                                          config)
+
+
 class StableDiffusionAdapter(ModelAdapter):
     """The members sd15 and sdxl share; each family adds its text encoding, prediction and loading."""
 

@@ -99,13 +99,6 @@ class PartNames:
         return any(name.endswith(WEIGHT_SCALE_SUFFIXES) for name in self.tensors)
 
     @property
-    def weights(self) -> dict[str, TensorInfo]:
-        """The tensors without the scaled-fp8 bookkeeping (markers, scales, formats): what a reader of the model's
-        layout looks at."""
-        bookkeeping = WEIGHT_SCALE_SUFFIXES + INPUT_SCALE_SUFFIXES + (QUANT_CONFIG_SUFFIX, SCALED_FP8_MARKER)
-        return {name: info for name, info in self.tensors.items() if not name.endswith(bookkeeping)}
-
-    @property
     def storage(self) -> str:
         """How the weights are stored, in words: `bf16`, `fp8`, `scaled fp8`, `gguf Q8_0` ..."""
         if self.path.suffix == ".gguf":
@@ -119,8 +112,8 @@ class PartNames:
 
 def read_header(path: str | Path) -> FileHeader:
     """A weight file's tensor names, dtypes and shapes, and its metadata, without reading a weight: a
-    safetensors file's JSON header, a GGUF file's tensor table. A pickled checkpoint (.ckpt, .pt) cannot be read
-    without loading it (torch does that, mapped, in toolkit/models/stored_weights.py)."""
+    safetensors file's JSON header, a GGUF file's tensor table; a pickled checkpoint (.ckpt, .pt) is mapped
+    (`pickled_tensors`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
@@ -128,8 +121,32 @@ def read_header(path: str | Path) -> FileHeader:
         return _gguf_header(path)
     if path.suffix in (".safetensors", ".sft"):
         return _safetensors_header(path)
-    raise UserError(f"{path}: only .safetensors and .gguf files can be read without loading them "
-                    f"(a pickled {path.suffix} file is loaded whole)")
+    return FileHeader(path, {name: TensorInfo(TORCH_DTYPE_NAMES.get(str(t.dtype).removeprefix("torch."),
+                                                                    str(t.dtype)), tuple(t.shape))
+                             for name, t in pickled_tensors(path).items()})
+
+
+#: torch dtypes as safetensors names them, for a pickled checkpoint's header
+TORCH_DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
+                     "float8_e5m2": "F8_E5M2"}
+
+
+def pickled_tensors(path: Path) -> dict:
+    """A pickled checkpoint's tensors (.ckpt, .pt: its `state_dict` where it has one), mapped from the file rather
+    than read (torch is imported for these files only), with nothing but tensors unpickled (`weights_only`)."""
+    import torch
+
+    try:
+        loaded = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # pickle and zip errors of many kinds
+        raise UserError(f"{path}: not a checkpoint torch reads safely ({error}); convert it to safetensors") from None
+    for wrapper in ("state_dict", "ema_state_dict", "module"):
+        if isinstance(loaded, dict) and isinstance(loaded.get(wrapper), dict):
+            loaded = loaded[wrapper]
+            break
+    if not isinstance(loaded, dict):
+        raise UserError(f"{path}: holds no state dict")
+    return {name: value for name, value in loaded.items() if isinstance(name, str) and hasattr(value, "shape")}
 
 
 def _safetensors_header(path: Path) -> FileHeader:
@@ -259,6 +276,24 @@ def detect(header: FileHeader, kinds: Iterable[PartKind]) -> tuple[PartKind, Par
         if facts is not None:
             return (kind, *kind.variant(header))
     return None
+
+
+def folder_configs(folder: Path) -> dict[str, dict]:
+    """{component: config} of a diffusers pipeline folder."""
+    return {sub.name: json.loads(next(iter(sorted(sub.glob("*config.json")))).read_text())
+            for sub in sorted(Path(folder).iterdir()) if sub.is_dir() and any(sub.glob("*config.json"))}
+
+
+def preset_variant(name: str, title: str, facts: Mapping[str, Any], folder: Callable[[], Path],
+                   components: Mapping[str, str] | None = None, hint: str | None = None) -> Variant:
+    """A tiny preset's part as a variant: its facts, and its configs read from the preset's folder when a model is
+    built (the folder is made then): all of them, or {role: the folder's component} (a text encoder's config under
+    `text_encoder`, whichever subfolder holds it)."""
+    def configs() -> dict[str, dict]:
+        found = folder_configs(folder())
+        return found if components is None else {role: found[sub] for role, sub in components.items()}
+
+    return Variant(name, title, facts, configs, hint)
 
 
 def load_variants(path: Path, extra: Iterable[Variant] = ()) -> tuple[Variant, ...]:

@@ -29,7 +29,11 @@ from toolkit.models.single_files import (
     QUANT_CONFIG_SUFFIX,
     SCALED_FP8_MARKER,
     WEIGHT_SCALE_SUFFIXES,
+    pickled_tensors,
 )
+
+#: pickled checkpoints (read mapped, tensors only)
+PICKLED = (".ckpt", ".pt", ".pth")
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -45,33 +49,26 @@ class StoredState:
     tensors: dict[str, torch.Tensor]
     row_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    @property
-    def fp8(self) -> bool:
-        return any(t.dtype in FP8_DTYPES for t in self.tensors.values())
-
 
 def read_stored(path: str | Path, prefix: str = "") -> StoredState:
-    """The tensors of `path` under `prefix` (removed), in their stored dtypes, with scaled-fp8 scales taken out."""
-    path = Path(path)
-    if path.suffix in (".safetensors", ".sft"):
-        from safetensors import safe_open
+    """The tensors of `path` under `prefix` (removed), in their stored dtypes, with scaled-fp8 scales taken out. A file
+    that does not read (damaged, cut short) is named."""
+    from safetensors import SafetensorError, safe_open
 
+    path = Path(path)
+    try:
+        if path.suffix == ".gguf":
+            from diffusers.models.model_loading_utils import load_gguf_checkpoint
+
+            return StoredState({k[len(prefix):]: v for k, v in load_gguf_checkpoint(str(path)).items()
+                                if k.startswith(prefix)})
+        if path.suffix in PICKLED:
+            tensors = {k[len(prefix):]: v for k, v in pickled_tensors(path).items() if k.startswith(prefix)}
+            return split_scales(tensors, path)
         with safe_open(str(path), "pt") as handle:
             tensors = {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
-    elif path.suffix == ".gguf":
-        from diffusers.models.model_loading_utils import load_gguf_checkpoint
-
-        tensors = {k[len(prefix):]: v for k, v in load_gguf_checkpoint(str(path)).items() if k.startswith(prefix)}
-        return StoredState(tensors)
-    elif path.suffix in (".ckpt", ".pt", ".pth", ".bin"):
-        loaded = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-        for wrapper in ("state_dict", "ema_state_dict", "module"):
-            if isinstance(loaded, dict) and wrapper in loaded and isinstance(loaded[wrapper], dict):
-                loaded = loaded[wrapper]
-                break
-        tensors = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix) and torch.is_tensor(v)}
-    else:
-        raise UserError(f"{path}: read as a single-file part, but its type ({path.suffix}) is not one difftune reads")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:  # a damaged or cut-short file
+        raise UserError(f"{path}: the weights cannot be read ({error})") from None
     return split_scales(tensors, path)
 
 

@@ -241,10 +241,7 @@ class KohyaJob(Rules):
                 out.dropped("vae", "no other VAE for this family in difftune")
                 out.check(f"vae {vae!r}: difftune uses the model's own VAE for this family")
         if self.facts.guidance_embedding:
-            for key in ("ae", "clip_l", "t5xxl"):
-                value = self.take(key)
-                if value not in (MISSING, None):
-                    out.dropped(key, "difftune reads the text encoders and VAE of model.single_file_config")
+            self.part_files(out)
             if self.take("fp8_base", False) or self.take("fp8_base_unet", False):
                 out.mapped("fp8_base", "model.quantize", True)
                 out.put("model.qtype", "qfloat8")
@@ -255,6 +252,17 @@ class KohyaJob(Rules):
         if clip_skip not in (MISSING, None, 1):
             out.dropped("clip_skip", "no difftune equivalent")
             out.check(f"clip_skip {clip_skip}: difftune conditions on the text encoder's last layer")
+
+    def part_files(self, out: Conversion) -> None:
+        """FLUX.1's other parts as files (`--ae`, `--clip_l`, `--t5xxl`): difftune takes them as they are."""
+        vae = self.take("ae")
+        if vae not in (MISSING, None):
+            out.mapped("ae", "model.vae_name_or_path", str(vae))
+        encoders = [(key, value) for key in ("clip_l", "t5xxl") if (value := self.take(key)) not in (MISSING, None)]
+        if encoders:
+            out.put("model.text_encoder_path", [str(value) for _, value in encoders])
+            for key, _ in encoders:
+                out.wrote(key, "model.text_encoder_path")
 
     def network(self) -> None:
         out = self.out

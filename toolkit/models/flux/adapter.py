@@ -50,7 +50,7 @@ from toolkit.models.common import (
 )
 from toolkit.models.flux.config import FACTS, FluxModelConfig
 from toolkit.models.flux.files import flux_files
-from toolkit.models.flux.parts import FluxParts
+from toolkit.models.flux.parts import load_flux_parts
 from toolkit.models.flux.tiny import ensure_tiny_flex, ensure_tiny_flux, ensure_tiny_flux_schnell
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
@@ -201,21 +201,17 @@ class FluxAdapter(ModelAdapter):
         file where the config names one (`name_or_path`, `text_encoder_path`, `vae_name_or_path`), else from the
         base's folder (`single_file_config` for a single-file base)."""
         source = cls.resolve_source(model_cfg.name_or_path)
-        parts = FluxParts(cls, model_cfg, source)
         with memory_debug("model load", debug_memory):
-            transformer, scheduler = parts.transformer(dtype, empty_denoiser)
-            text_encoder, text_encoder_2 = parts.text_encoders(dtype)
-            vae = parts.vae(dtype)
-            tokenizer, tokenizer_2 = parts.tokenizers()
+            parts, origins = load_flux_parts(cls, model_cfg, source, dtype, empty_denoiser)
+        transformer = parts["transformer"]
         transformer.requires_grad_(False)
         transformer.eval()
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
                                                                    "model.assistant_lora_path"))
-        adapter = cls(transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler, source=source,
-                      max_sequence_length=model_cfg.max_sequence_length)
-        adapter.parts_from = parts.origins
+        adapter = cls(**parts, source=source, max_sequence_length=model_cfg.max_sequence_length)
+        adapter.parts_from = origins
         adapter.compute_dtype = dtype
         adapter.quantize_and_place(model_cfg, device, debug_memory)
         return adapter

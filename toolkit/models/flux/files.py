@@ -7,7 +7,6 @@ Tokenizers (in no weight file): `model.tokenizer`, else a ComfyUI installation t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from toolkit.models.single_files import (
     PartNames,
     Variant,
     load_variants,
+    preset_variant,
 )
 
 VARIANTS = Path(__file__).parent / "variants.json"
@@ -48,32 +48,26 @@ def original_layout(part: PartNames) -> bool:
 
 
 def tiny_variant(name: str, preset: dict, folder, hint: str | None = None) -> Variant:
-    """A tiny preset as a variant: its facts from the preset, its configs read from its built folder."""
+    """A tiny preset's transformer as a variant."""
     t = preset["transformer"]
     facts = {"double blocks": t["num_layers"], "single blocks": t["num_single_layers"],
              "width": t["num_attention_heads"] * t["attention_head_dim"], "input channels": t["in_channels"],
              "guidance embedding": t["guidance_embeds"]}
-    return Variant(name, f"tiny FLUX.1 preset ({name})", facts, lambda: folder_configs(folder()), hint)
-
-
-def folder_configs(folder: Path) -> dict[str, dict]:
-    """{component: config} of a diffusers pipeline folder."""
-    return {sub.name: json.loads(next(iter(sorted(sub.glob("*config.json")))).read_text())
-            for sub in sorted(Path(folder).iterdir()) if sub.is_dir() and any(sub.glob("*config.json"))}
+    return preset_variant(name, f"tiny FLUX.1 preset ({name})", facts, folder, hint=hint)
 
 
 def tiny_parts(preset: dict, folder) -> dict[str, Variant]:
     """The tiny preset's text encoders and VAE as variants of their kinds."""
     clip, t5, vae = preset["text_encoder"], preset["text_encoder_2"], preset["vae"]
-    configs = lambda component: lambda: {"text_encoder" if component != "vae" else "vae":  # noqa: E731
-                                         folder_configs(folder())[component]}
     return {
-        "clip_l": Variant("tiny-clip", "tiny CLIP", {"layers": clip["num_hidden_layers"], "width": clip["hidden_size"]},
-                          configs("text_encoder")),
-        "t5xxl": Variant("tiny-t5", "tiny T5", {"blocks": t5["num_layers"], "width": t5["d_model"]},
-                         configs("text_encoder_2")),
-        "vae": Variant("tiny-vae", "tiny VAE", {"latent channels": vae["latent_channels"],
-                                                "widths": list(vae["block_out_channels"])}, configs("vae")),
+        "clip_l": preset_variant("tiny-clip", "tiny CLIP", {"layers": clip["num_hidden_layers"],
+                                                           "width": clip["hidden_size"]},
+                                 folder, {"text_encoder": "text_encoder"}),
+        "t5xxl": preset_variant("tiny-t5", "tiny T5", {"blocks": t5["num_layers"], "width": t5["d_model"]}, folder,
+                                {"text_encoder": "text_encoder_2"}),
+        "vae": preset_variant("tiny-vae", "tiny VAE", {"latent channels": vae["latent_channels"],
+                                                       "widths": list(vae["block_out_channels"])},
+                              folder, {"vae": "vae"}),
     }
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from diffusers import (
     AutoencoderKL,
@@ -12,7 +10,7 @@ from diffusers import (
     StableDiffusionPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from toolkit.device import as_dtype, memory_debug, to_device
 from toolkit.models.base import (
@@ -29,11 +27,12 @@ from toolkit.models.common import (
     encoder_identity,
     first_weight,
     place_frozen,
-    pretrained_denoiser,
 )
+from toolkit.models.base_parts import CLIP_EXTRAS, BaseParts, ldm_vae_converter
 from toolkit.models.sd15.config import FACTS, SD15ModelConfig
+from toolkit.models.sd15.files import sd15_files
 from toolkit.models.sd15.tiny import ensure_tiny_sd15
-from toolkit.models.sd_common import StableDiffusionAdapter
+from toolkit.models.sd_common import StableDiffusionAdapter, ldm_unet_converter
 from toolkit.paths import normalize_path
 
 
@@ -50,6 +49,10 @@ class SD15Sampling(SamplingParts):
             feature_extractor=None,
             requires_safety_checker=False,
         )
+
+
+#: where a single-file checkpoint's parts not found in it (nor named as files) come from, by default
+DEFAULT_COMPONENTS = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 
 
 class SD15Adapter(StableDiffusionAdapter):
@@ -71,33 +74,26 @@ class SD15Adapter(StableDiffusionAdapter):
     def load(cls, model_cfg: SD15ModelConfig, device: torch.device, dtype: torch.dtype,
              debug_memory: bool = False, sampling_models: bool = True,
              empty_denoiser: bool = False) -> SD15Adapter:
-        source = normalize_path(model_cfg.name_or_path)
-        if source == "tiny":
-            source = str(ensure_tiny_sd15())
+        source = cls.resolve_source(model_cfg.name_or_path)
         with memory_debug("model load", debug_memory):
-            if source.endswith((".safetensors", ".ckpt")):
-                parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
-            else:
-                parts = cls._load_folder(source, model_cfg, dtype, empty_denoiser)
-        unet, vae, text_encoder, tokenizer, scheduler = parts
+            parts = BaseParts(sd15_files(), model_cfg, source, cls.resolve_source, lambda _: DEFAULT_COMPONENTS)
+            unet = parts.denoiser(UNet2DConditionModel, "unet", dtype, empty_denoiser, converter=ldm_unet_converter)
+            text_encoder = parts.text_encoders(
+                {"clip_l": ("text_encoder", lambda c: CLIPTextModel(CLIPTextConfig(**c)), CLIPTextModel)},
+                dtype, ignore={"clip_l": CLIP_EXTRAS})["clip_l"]
+            vae = parts.vae(AutoencoderKL, dtype, converter=ldm_vae_converter)
+            tokenizer = parts.tokenizers({"tokenizer": CLIPTokenizer})["tokenizer"]
+            scheduler = parts.scheduler(DDPMScheduler)
         adapter = cls(unet, vae, text_encoder, tokenizer, ddpm_scheduler(scheduler, model_cfg.prediction_type), source)
+        adapter.parts_from = parts.origins
         place_frozen(adapter.unet, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
 
     @staticmethod
-    def _load_folder(source: str, model_cfg: SD15ModelConfig, dtype: torch.dtype, empty_denoiser: bool = False) -> tuple:
-        kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
-        unet = pretrained_denoiser(UNet2DConditionModel, source, "unet", dtype, empty_denoiser, **kw)
-        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
-        text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
-        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=model_cfg.revision)
-        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=model_cfg.revision)
-        return unet, vae, text_encoder, tokenizer, scheduler
-
-    @classmethod
-    def _load_single_file(cls, source: str, config: str | None, dtype: torch.dtype) -> tuple:
-        pipe, scheduler = cls.single_file_pipeline(StableDiffusionPipeline, source, config, dtype)
-        return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, scheduler
+    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
+        """A folder, hub id or file; `tiny` becomes the tiny preset's folder."""
+        name_or_path = normalize_path(name_or_path, key)
+        return str(ensure_tiny_sd15()) if name_or_path == "tiny" else name_or_path
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         tokens = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
