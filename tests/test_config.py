@@ -380,20 +380,18 @@ def test_a_later_process_may_read_what_an_earlier_one_writes_even_in_an_error_re
     assert "pretrained_lora_path" not in text
 
 
-def test_a_single_file_sdxl_vae_beside_a_single_file_base_needs_its_config_before_anything_loads(tmp_path, registry):
-    """Known from the file alone (the adapter used to find it while loading): reported with the paths."""
+def test_part_files_are_named_by_key_when_they_are_not_there(tmp_path, registry):
+    """A single-file base with its VAE and text encoders as files (configs shipped: no single_file_config needed):
+    every missing file is named by its key, each text encoder by its place in the list."""
     process = trainer_process(tmp_path)
     process["model"] = {"arch": "sdxl", "name_or_path": str(tmp_path / "base.safetensors"),
-                        "vae_name_or_path": str(tmp_path / "vae.safetensors")}
-    with pytest.raises(ConfigError) as error:
-        load_config(str(write_job(tmp_path / "job.yaml", "sdxl", process)), registry)
-    assert problem_keys(error.value) == ["model.vae_name_or_path", "model.name_or_path", "model.vae_name_or_path"]
-    assert "needs model.single_file_config" in str(error.value)
-    process["model"]["single_file_config"] = str(tmp_path)
+                        "vae_name_or_path": str(tmp_path / "vae.safetensors"),
+                        "text_encoder_path": [str(tmp_path / "clip_l.safetensors"), str(tmp_path / "clip_g.safetensors")]}
     config, path = load_config(str(write_job(tmp_path / "job.yaml", "sdxl", process)), registry)
-    with pytest.raises(ConfigError) as error:  # what is left: the two files are not there
+    with pytest.raises(ConfigError) as error:
         check_paths(config, path)
-    assert problem_keys(error.value) == ["model.name_or_path", "model.vae_name_or_path"]
+    assert problem_keys(error.value) == ["model.name_or_path", "model.vae_name_or_path", "model.text_encoder_path[0]",
+                                         "model.text_encoder_path[1]"]
 
 
 @pytest.mark.parametrize("overrides, absent", [

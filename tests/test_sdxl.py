@@ -213,7 +213,7 @@ def test_sampling_conditioning_is_the_pipelines_with_zero_negative(typed, dtype)
     ("arch: zimage, name_or_path: tiny", "", ", guidance_rescale: 0.7",
      "sample.guidance_rescale: the zimage sampling pipeline"),
     ("arch: zimage, name_or_path: tiny, prediction_type: v_prediction", "", "", "prediction_type"),
-    ("arch: sd15, name_or_path: tiny, vae_name_or_path: x", "", "", "vae_name_or_path"),
+    ("arch: wan, name_or_path: tiny, vae_name_or_path: x", "", "", "vae_name_or_path"),
 ])
 def test_config_refuses_what_the_family_cannot_do(tmp_path, registry, model, train, sample, message):
     path = inline_job(tmp_path / "job.yaml", model, train, "prompts: [a]" + sample)

@@ -90,6 +90,29 @@ def read_sd_unet(part: PartNames) -> dict[str, Any] | None:
             "added embedding": part.has("label_emb.0.0.weight") or part.has("add_embedding.linear_1.weight")}
 
 
+#: where CLIP-G's names start: SDXL checkpoints keep it in open_clip's layout; ComfyUI's clip_g file and SD3's in
+#: transformers' names (with the projection beside `text_model.`)
+CLIP_G_PREFIXES = ("conditioner.embedders.1.model.", "text_encoders.clip_g.transformer.", "clip_g.transformer.")
+
+
+def read_clip_g(part: PartNames) -> dict[str, Any] | None:
+    """A CLIP text model with its projection (CLIPTextModelWithProjection), in transformers' names or open_clip's
+    (`transformer.resblocks.N`, `token_embedding`, `text_projection`): layers, width, vocabulary."""
+    if part.has("text_model.embeddings.token_embedding.weight") and part.has("text_projection.weight"):
+        embedding = part.shape("text_model.embeddings.token_embedding.weight")
+        layers = part.count(r"text_model\.encoder\.layers\.(\d+)\.")
+    elif part.has("token_embedding.weight") and part.has("text_projection"):
+        embedding = part.shape("token_embedding.weight")
+        layers = part.count(r"transformer\.resblocks\.(\d+)\.")
+    else:
+        return None
+    return {"layers": layers, "width": embedding[1], "vocabulary": embedding[0]}
+
+
+def open_clip_layout(part: PartNames) -> bool:
+    return part.has("token_embedding.weight")
+
+
 def clip_l(tiny: Iterable[Variant] = ()) -> PartKind:
     return kind("clip_l", "CLIP-L text encoder", read_clip_text, published("text_encoders.json", "clip-l") + tuple(tiny),
                 CLIP_L_PREFIXES)
@@ -107,4 +130,14 @@ def flux_vae(tiny: Iterable[Variant] = ()) -> PartKind:
 
 def sd_vae(tiny: Iterable[Variant] = ()) -> PartKind:
     return kind("sd_vae", "Stable Diffusion VAE", read_autoencoder_kl, published("vaes.json", "sd-vae") + tuple(tiny),
+                VAE_PREFIXES)
+
+
+def clip_g(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("clip_g", "CLIP-G text encoder", read_clip_g, published("text_encoders.json", "clip-g") + tuple(tiny),
+                CLIP_G_PREFIXES)
+
+
+def sdxl_vae(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("sdxl_vae", "SDXL VAE", read_autoencoder_kl, published("vaes.json", "sdxl-vae") + tuple(tiny),
                 VAE_PREFIXES)

@@ -269,12 +269,20 @@ def describe_names(part: PartNames, shown: int = 3) -> str:
 
 
 def detect(header: FileHeader, kinds: Iterable[PartKind]) -> tuple[PartKind, PartNames, Variant] | None:
-    """The first of `kinds` whose reader recognises the file, with its variant (UnknownFile when the kind is
-    recognised but no variant fits); None when no kind recognises it."""
+    """The first of `kinds` that reads the file as one of its known variants (CLIP-G's file reads as a CLIP model of
+    CLIP-L's layout too, of no CLIP-L variant); UnknownFile where kinds recognise the file but none knows its
+    variant; None where no kind recognises it."""
+    unknown = None
     for kind in kinds:
         part, facts = kind.facts(header)
-        if facts is not None:
+        if facts is None:
+            continue
+        try:
             return (kind, *kind.variant(header))
+        except UnknownFile as error:
+            unknown = unknown or error
+    if unknown is not None:
+        raise unknown
     return None
 
 

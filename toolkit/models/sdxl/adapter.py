@@ -3,7 +3,6 @@ VAE, DDPM noise (epsilon or v-prediction)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,10 +13,9 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from toolkit.device import memory_debug, to_device
-from toolkit.errors import UserError
 from toolkit.models.base import (
     Expert,
     LoraComponent,
@@ -32,12 +30,13 @@ from toolkit.models.common import (
     encoder_identity,
     first_weight,
     place_frozen,
-    pretrained_denoiser,
     run_in_own_dtype,
 )
-from toolkit.models.config import is_single_file
-from toolkit.models.sd_common import StableDiffusionAdapter
+from toolkit.models.base_parts import CLIP_EXTRAS, BaseParts, ldm_vae_converter
+from toolkit.models.part_kinds import open_clip_layout
+from toolkit.models.sd_common import StableDiffusionAdapter, ldm_unet_converter
 from toolkit.models.sdxl.config import FACTS, SDXLModelConfig
+from toolkit.models.sdxl.files import sdxl_files
 from toolkit.models.sdxl.names import sgm_unet_renames
 from toolkit.models.sdxl.tiny import ensure_tiny_sdxl
 from toolkit.paths import normalize_path
@@ -62,6 +61,31 @@ class SDXLSampling(SamplingParts):
             do_classifier_free_guidance=True, negative_prompt=negative or None)
         return {"prompt_embeds": embeds, "negative_prompt_embeds": negative_embeds,
                 "pooled_prompt_embeds": pooled, "negative_pooled_prompt_embeds": negative_pooled}
+
+
+#: where a single-file checkpoint's parts not found in it (nor named as files) come from, by default
+DEFAULT_COMPONENTS = "stabilityai/stable-diffusion-xl-base-1.0"
+
+
+class SecondTokenizer:
+    """SDXL's second tokenizer: CLIP's, padding with "!" (as the pipeline's `tokenizer_2` does; ComfyUI keeps one
+    CLIP tokenizer for both encoders and pads the second with "!" too)."""
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs) -> CLIPTokenizer:
+        return CLIPTokenizer.from_pretrained(*args, pad_token="!", **kwargs)
+
+
+def open_clip_converter(part, config: dict):
+    """diffusers' converter of open_clip's names (an SDXL checkpoint's CLIP-G); none for transformers' names."""
+    if not open_clip_layout(part):
+        return None
+    from types import SimpleNamespace
+
+    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+
+    text_model = SimpleNamespace(config=SimpleNamespace(hidden_size=config["hidden_size"]))
+    return lambda checkpoint: convert_open_clip_checkpoint(text_model, checkpoint, prefix="")
 
 
 class SDXLAdapter(StableDiffusionAdapter):
@@ -89,61 +113,31 @@ class SDXLAdapter(StableDiffusionAdapter):
     def load(cls, model_cfg: SDXLModelConfig, device: torch.device, dtype: torch.dtype,
              debug_memory: bool = False, sampling_models: bool = True,
              empty_denoiser: bool = False) -> SDXLAdapter:
-        source = normalize_path(model_cfg.name_or_path)
-        if source == "tiny":
-            source = str(ensure_tiny_sdxl())
+        source = cls.resolve_source(model_cfg.name_or_path)
         with memory_debug("model load", debug_memory):
-            if source.endswith((".safetensors", ".ckpt")):
-                parts = cls._load_single_file(source, model_cfg.single_file_config, dtype)
-            else:
-                parts = cls._load_folder(source, model_cfg, dtype, empty_denoiser)
-            unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler = parts
-            vae_source = (normalize_path(model_cfg.vae_name_or_path, "model.vae_name_or_path")
-                          if model_cfg.vae_name_or_path else None)
-            if vae_source:
-                vae = cls._load_vae(vae_source, model_cfg, source, dtype)
-            vae = cls._vae_in_safe_dtype(vae, dtype)
-        scheduler = ddpm_scheduler(scheduler, model_cfg.prediction_type)
-        adapter = cls(unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler, source, vae_source)
+            parts = BaseParts(sdxl_files(), model_cfg, source, cls.resolve_source, lambda _: DEFAULT_COMPONENTS)
+            unet = parts.denoiser(UNet2DConditionModel, "unet", dtype, empty_denoiser, converter=ldm_unet_converter)
+            encoders = parts.text_encoders(
+                {"clip_l": ("text_encoder", lambda c: CLIPTextModel(CLIPTextConfig(**c)), CLIPTextModel),
+                 "clip_g": ("text_encoder_2", lambda c: CLIPTextModelWithProjection(CLIPTextConfig(**c)),
+                            CLIPTextModelWithProjection)},
+                dtype, ignore={"clip_l": CLIP_EXTRAS, "clip_g": CLIP_EXTRAS}, converters={"clip_g": open_clip_converter})
+            vae = cls._vae_in_safe_dtype(parts.vae(AutoencoderKL, dtype, converter=ldm_vae_converter), dtype)
+            tokenizers = parts.tokenizers({"tokenizer": CLIPTokenizer, "tokenizer_2": SecondTokenizer})
+            scheduler = ddpm_scheduler(parts.scheduler(DDPMScheduler), model_cfg.prediction_type)
+        vae_source = parts.origins["vae"] if model_cfg.vae_name_or_path else None
+        adapter = cls(unet, vae, encoders["clip_l"], encoders["clip_g"], tokenizers["tokenizer"],
+                      tokenizers["tokenizer_2"], scheduler, source, vae_source)
+        adapter.parts_from = parts.origins
         place_frozen(adapter.unet, [adapter.vae, adapter.text_encoder, adapter.text_encoder_2], device,
                      model_cfg.low_vram)
         return adapter
 
     @staticmethod
-    def _load_folder(source: str, model_cfg: SDXLModelConfig, dtype: torch.dtype, empty_denoiser: bool = False) -> tuple:
-        kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
-        unet = pretrained_denoiser(UNet2DConditionModel, source, "unet", dtype, empty_denoiser, **kw)
-        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
-        text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
-        text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(source, subfolder="text_encoder_2", dtype=dtype,
-                                                                     **kw)
-        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=model_cfg.revision)
-        tokenizer_2 = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2", revision=model_cfg.revision)
-        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=model_cfg.revision)
-        return unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler
-
-    @classmethod
-    def _load_single_file(cls, source: str, config: str | None, dtype: torch.dtype) -> tuple:
-        pipe, scheduler = cls.single_file_pipeline(StableDiffusionXLPipeline, source, config, dtype)
-        return (pipe.unet, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.tokenizer, pipe.tokenizer_2,
-                scheduler)
-
-    @staticmethod
-    def _load_vae(vae_source: str, model_cfg: SDXLModelConfig, source: str, dtype: torch.dtype) -> AutoencoderKL:
-        """`model.vae_name_or_path`: a VAE folder or hub id (its own, or a pipeline's `vae/`), or a single file whose
-        config is the base model's VAE config (`single_file_config` for a single-file base)."""
-        if is_single_file(vae_source):
-            if not Path(vae_source).is_file():
-                raise FileNotFoundError(f"model.vae_name_or_path: file not found: {vae_source}")
-            config = model_cfg.single_file_config if is_single_file(source) else source
-            if config is None:  # the job file's check says so first (SDXLModelConfig.problems)
-                raise UserError("model.vae_name_or_path: a single-file VAE beside a single-file model needs "
-                                "model.single_file_config (a diffusers SDXL folder or hub id) for its config")
-            return AutoencoderKL.from_single_file(vae_source, config=config, subfolder="vae", torch_dtype=dtype,
-                                                  local_files_only=Path(config).is_dir())
-        subfolder = "vae" if (Path(vae_source) / "vae" / "config.json").is_file() else None
-        return AutoencoderKL.from_pretrained(vae_source, subfolder=subfolder, torch_dtype=dtype,
-                                             revision=model_cfg.revision if subfolder else None)
+    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
+        """A folder, hub id or file; `tiny` becomes the tiny preset's folder."""
+        name_or_path = normalize_path(name_or_path, key)
+        return str(ensure_tiny_sdxl()) if name_or_path == "tiny" else name_or_path
 
     @staticmethod
     def _vae_in_safe_dtype(vae: AutoencoderKL, dtype: torch.dtype) -> AutoencoderKL:
