@@ -24,6 +24,8 @@ CLIP_L_PREFIXES = ("text_encoders.clip_l.transformer.text_model.", "cond_stage_m
                    "conditioner.embedders.0.transformer.text_model.", "clip_l.transformer.text_model.", "text_model.")
 T5_PREFIXES = ("text_encoders.t5xxl.transformer.", "t5xxl.transformer.")
 VAE_PREFIXES = ("first_stage_model.", "vae.")
+#: a Qwen language model's names in ComfyUI's files (`model.layers.N`, the head outside, where there is one)
+QWEN_PREFIXES = ("text_encoders.qwen3_4b.transformer.model.", "model.")
 
 
 def published(file: str, *names: str) -> tuple[Variant, ...]:
@@ -113,6 +115,14 @@ def open_clip_layout(part: PartNames) -> bool:
     return part.has("token_embedding.weight")
 
 
+def read_qwen3(part: PartNames) -> dict[str, Any] | None:
+    """A Qwen3 language model (its `model.` part; q/k norms tell Qwen3 from Qwen2.5): layers, width, vocabulary."""
+    embedding = part.shape("embed_tokens.weight")
+    if embedding is None or not part.has("layers.0.self_attn.q_norm.weight"):
+        return None
+    return {"layers": part.count(r"layers\.(\d+)\."), "width": embedding[1], "vocabulary": embedding[0]}
+
+
 def clip_l(tiny: Iterable[Variant] = ()) -> PartKind:
     return kind("clip_l", "CLIP-L text encoder", read_clip_text, published("text_encoders.json", "clip-l") + tuple(tiny),
                 CLIP_L_PREFIXES)
@@ -141,3 +151,8 @@ def clip_g(tiny: Iterable[Variant] = ()) -> PartKind:
 def sdxl_vae(tiny: Iterable[Variant] = ()) -> PartKind:
     return kind("sdxl_vae", "SDXL VAE", read_autoencoder_kl, published("vaes.json", "sdxl-vae") + tuple(tiny),
                 VAE_PREFIXES)
+
+
+def qwen3_4b(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("qwen3_4b", "Qwen3-4B text encoder", read_qwen3,
+                published("text_encoders.json", "qwen3-4b") + tuple(tiny), QWEN_PREFIXES)

@@ -40,7 +40,8 @@ FAMILIES: dict[str, Family] = {family.arch: family for family in (
     Family("wan", "toolkit.models.wan.config:WanModelConfig", "toolkit.models.wan.adapter:WanAdapter"),
     Family("wuerstchen", "toolkit.models.wuerstchen.config:WuerstchenModelConfig",
            "toolkit.models.wuerstchen.adapter:WuerstchenAdapter"),
-    Family("zimage", "toolkit.models.zimage.config:ZImageModelConfig", "toolkit.models.zimage.adapter:ZImageAdapter"),
+    Family("zimage", "toolkit.models.zimage.config:ZImageModelConfig", "toolkit.models.zimage.adapter:ZImageAdapter",
+           "toolkit.models.zimage.files:zimage_files"),
 )}
 
 

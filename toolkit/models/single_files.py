@@ -233,9 +233,13 @@ class PartKind:
         part, facts = self.facts(header)
         if facts is None:
             raise UnknownFile(f"{header.path}: not a {self.title} file ({describe_names(part)})")
-        for variant in self.variants:
-            if all(facts.get(key) == value for key, value in variant.facts.items()):
-                return part, variant
+        fitting = [v for v in self.variants if all(facts.get(key) == value for key, value in v.facts.items())]
+        if fitting:
+            # variants of one layout (Z-Image and Z-Image-Turbo): the one whose word the file's name has, else the
+            # one that asks for none
+            name = header.path.name.lower()
+            named = [v for v in fitting if v.hint and v.hint in name]
+            return part, (named or [v for v in fitting if not v.hint] or fitting)[0]
         known = "; ".join(f"{v.title}: {format_facts(v.facts)}" for v in self.variants if not v.name.startswith("tiny"))
         raise UnknownFile(f"{header.path}: a {self.title} of no known variant (read: {format_facts(facts)}). "
                           f"Known: {known}. For another variant, set model.single_file_config to a diffusers folder "
@@ -321,7 +325,8 @@ def comfy_root(paths: Iterable[str | Path]) -> Path | None:
     the first of `paths` that has one: its tokenizer files are what ComfyUI uses with the same weight files."""
     for path in paths:
         for folder in Path(path).resolve().parents:
-            if (folder / "comfy").is_dir() and (folder / "comfy" / "sd1_tokenizer").is_dir():
+            source = folder / "comfy"
+            if (source / "sd1_tokenizer").is_dir() or (source / "text_encoders").is_dir():
                 return folder
     return None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-from transformers import AutoTokenizer, Qwen3Model
+from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
 from toolkit.device import memory_debug, safe_module_to_device, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
@@ -30,6 +30,7 @@ from toolkit.models.base import (
     SamplingParts,
     TextRules,
 )
+from toolkit.models.base_parts import BaseParts, ldm_vae_converter
 from toolkit.models.common import (
     dynamic_shift_schedule,
     encoder_identity,
@@ -40,7 +41,8 @@ from toolkit.models.common import (
     vae_latents,
 )
 from toolkit.models.zimage.config import FACTS, ZImageModelConfig
-from toolkit.models.zimage.tiny import ensure_tiny_zimage, ensure_tiny_zimage_turbo
+from toolkit.models.zimage.files import COMFY_TOKENIZERS, original_layout, zimage_files
+from toolkit.models.zimage.tiny import QWEN3_CHAT_TEMPLATE, ensure_tiny_zimage, ensure_tiny_zimage_turbo
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
 from toolkit.quantize import quantize_blockwise
@@ -118,6 +120,15 @@ class ZImageSampling(SamplingParts):
         return self.mirrors()
 
 
+def transformer_converter(part, config: dict):
+    """diffusers' converter of the original names (fused qkv, `final_layer`, `x_embedder`); none for diffusers'."""
+    if not original_layout(part):
+        return None
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    return convert_z_image_transformer_checkpoint_to_diffusers
+
+
 class ZImageAdapter(ModelAdapter):
     arch = "zimage"
     facts = FACTS
@@ -165,20 +176,26 @@ class ZImageAdapter(ModelAdapter):
                 sampling = cls.load_sampling_transformer(model_cfg, device, dtype, debug_memory)
         source = cls.resolve_source(model_cfg.name_or_path)
         with memory_debug("model load", debug_memory):
-            if is_single_file(source):
-                components = cls.resolve_source(model_cfg.single_file_config or DEFAULT_COMPONENTS,
-                                                "model.single_file_config")
-                transformer = cls.load_transformer(source, dtype, config_source=components)
-                parts = cls._load_components(components, dtype, variant=None, revision=None)
-            else:
-                transformer = cls.load_transformer(source, dtype, variant=model_cfg.variant,
-                                                   revision=model_cfg.revision, empty=empty_denoiser)
-                parts = cls._load_components(source, dtype, variant=model_cfg.variant, revision=model_cfg.revision)
+            found = BaseParts(zimage_files(), model_cfg, source, cls.resolve_source, lambda _: DEFAULT_COMPONENTS)
+            transformer = found.denoiser(ZImageTransformer2DModel, "transformer", dtype, empty_denoiser,
+                                         converter=transformer_converter).eval()
+            transformer.requires_grad_(False)
+            # transformers 5 takes `dtype`; Qwen3Model also reads the text encoders saved as Qwen3ForCausalLM
+            text_encoder = found.text_encoders(
+                {"qwen3_4b": ("text_encoder", lambda c: Qwen3Model(Qwen3Config(**c)), Qwen3Model)}, dtype)["qwen3_4b"]
+            vae = found.vae(AutoencoderKL, dtype, converter=ldm_vae_converter)
+            tokenizer = found.tokenizers({"tokenizer": AutoTokenizer})["tokenizer"]
+            if COMFY_TOKENIZERS["tokenizer"] in found.origins["tokenizer"]:
+                # ComfyUI's Qwen tokenizer folder is Qwen2.5-VL's, whose template adds a system turn; Z-Image's
+                # prompts are Qwen3's, as ComfyUI also writes them
+                tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+            parts = (vae, text_encoder, tokenizer, found.scheduler(FlowMatchEulerDiscreteScheduler))
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
                                                                    "model.assistant_lora_path"))
         adapter = cls(transformer, *parts, source=source)
+        adapter.parts_from = found.origins
         adapter.compute_dtype = dtype
         adapter.sampling_transformer = sampling
         adapter._quantize_and_place(model_cfg, device, debug_memory)
@@ -258,18 +275,6 @@ class ZImageAdapter(ModelAdapter):
         return ZImageTransformer2DModel.from_single_file(
             path, config=config_source, subfolder="transformer", local_files_only=Path(config_source).is_dir(),
             torch_dtype=dtype)
-
-    @staticmethod
-    def _load_components(source: str, dtype: torch.dtype, variant: str | None, revision: str | None) -> tuple:
-        """VAE, text encoder, tokenizer and scheduler of a diffusers folder or hub id."""
-        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, variant=variant,
-                                            revision=revision)
-        # transformers 5 takes `dtype`; Qwen3Model also reads the text encoders saved as Qwen3ForCausalLM
-        text_encoder = Qwen3Model.from_pretrained(source, subfolder="text_encoder", dtype=dtype, variant=variant,
-                                                  revision=revision)
-        tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
-        return vae, text_encoder, tokenizer, scheduler
 
     @property
     def device(self) -> torch.device:
