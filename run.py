@@ -245,12 +245,24 @@ def report_user_error(err: Exception, args: argparse.Namespace) -> None:
 
 def load_for_names(family, arch: str, source: Path, given: str | None, in_header: str | None):
     """The model whose module names resolve a file's names (kohya's flattened ones, another layout, text encoders):
-    `--model`, else the base model its header names; loaded on the CPU for that only."""
+    `--model`, else the base model its header names (else, for a family that builds its parts from configs, its
+    first published variant). A family that can builds every part on the meta device from configs alone, no weight
+    read (`ModelAdapter.for_module_names`); the others load the model on the CPU for that only."""
     import torch
 
+    from toolkit.errors import UserError
     from toolkit.models.registry import model_config
 
     model = given or in_header
+    try:
+        built = family.for_module_names(model)
+    except (OSError, ValueError, UserError) as err:
+        if given:
+            raise ValueError(f"{source}: converting it needs the model's module names, and --model {given!r} gave "
+                             f"none ({err})") from err
+        built = family.for_module_names(None)  # the header's base is not here: the family's published layout
+    if built is not None:
+        return built
     if not model:
         raise ValueError(f"{source}: converting it needs the model's module names; give --model")
     try:

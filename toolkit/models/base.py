@@ -286,6 +286,14 @@ class ModelAdapter(ABC):
         `empty_denoiser`: the denoiser (each trained one) is built on the meta device from its config, its weight
         files kept on it (`toolkit.models.common.pretrained_denoiser`); `train.sharding: fsdp` fills it shard by shard."""
 
+    @classmethod
+    def for_module_names(cls, name_or_path: str | None) -> ModelAdapter | None:
+        """The adapter with every part built on the meta device from its config alone (no weight read, no
+        tokenizer), for resolving a LoRA file's names (`run.py --convert-lora`): from a diffusers folder or hub id,
+        a single file's variant (its header only), or, for None, the family's first published variant. None where the
+        family cannot build it so; its module names then come from loading the model."""
+        return None
+
     # ---- text and images -------------------------------------------------------------------------
 
     @abstractmethod

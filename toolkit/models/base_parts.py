@@ -15,7 +15,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.models.common import is_single_file, pretrained_denoiser
 from toolkit.models.single_files import FamilyFiles, Variant, read_header, tokenizer_source
-from toolkit.models.stored_weights import assign_files, load_part
+from toolkit.models.stored_weights import assign_files, empty_model, load_part
 
 
 #: tensors a CLIP text encoder file may hold that CLIPTextModel has no place for (older exports keep the position
@@ -35,14 +35,18 @@ def ldm_vae_converter(part, config: dict):
 class BaseParts:
     """The parts of one base, read as its `model` config says."""
 
-    def __init__(self, files: FamilyFiles, model_cfg, source: str, resolve: Callable[[str, str], str],
-                 default_components: Callable[[Variant | None], str]):
+    def __init__(self, files: FamilyFiles, model_cfg, source: str | None, resolve: Callable[[str, str], str],
+                 default_components: Callable[[Variant | None], str], meta: bool = False):
+        #: build every part on the meta device from its config alone, no weight read, no tokenizer: the module
+        #: names a LoRA file's names are resolved against (`run.py --convert-lora`); a `source` of None stands for
+        #: the family's first published variant
+        self.meta = meta
         self.files = files
         self.cfg = model_cfg
         self.source = source
         self.resolve = resolve
         self.default_components = default_components
-        self.single = is_single_file(source)
+        self.single = source is not None and is_single_file(source)
         self.override = (resolve(model_cfg.single_file_config, "model.single_file_config")
                          if getattr(model_cfg, "single_file_config", None) else None)
         #: the denoiser's variant (None: a folder base, or configs from `single_file_config`)
@@ -76,8 +80,29 @@ class BaseParts:
 
     # ---- the parts ---------------------------------------------------------------------------------------------
 
+    def published(self, kind) -> Variant:
+        """The kind's first published variant (what a part of no given file is taken as, in meta mode)."""
+        return next(v for v in kind.variants if not v.name.startswith("tiny"))
+
+    def meta_config(self, kind, component: str, path: str | None, folder_config: Callable[[], dict]) -> dict:
+        """A part's config without its weights: from its file's variant (header only), the base's folder, or the
+        kind's first published variant."""
+        if path is not None:
+            return kind.variant(read_header(path))[1].config(component)
+        if self.source is not None and not self.single:
+            return folder_config()
+        return self.published(kind).config(component)
+
     def denoiser(self, model_class, subfolder: str, dtype: torch.dtype, empty: bool,
                  converter: Callable | None = None) -> torch.nn.Module:
+        if self.meta:
+            config = self.meta_config(self.files.denoiser, subfolder, self.source if self.single else None,
+                                      lambda: model_class.load_config(self.source, subfolder=subfolder))
+            if self.source is None or self.single:
+                path = self.source
+                self.variant = (self.files.denoiser.variant(read_header(path))[1] if path
+                                else self.published(self.files.denoiser))
+            return empty_model(lambda: model_class.from_config(config), dtype)
         if not self.single:
             self.origins[subfolder] = self.source
             return pretrained_denoiser(model_class, self.source, subfolder, dtype, empty, **self.folder_kw())
@@ -90,6 +115,8 @@ class BaseParts:
 
     def scheduler(self, scheduler_class):
         """The training scheduler's class from the base's folder, `single_file_config`, or the variant's config."""
+        if self.meta and self.variant is not None:
+            return scheduler_class.from_config(self.variant.config("scheduler"))
         if not self.single or self.override:
             return scheduler_class.from_pretrained(self.components(), subfolder="scheduler",
                                                    revision=self.cfg.revision if not self.single else None)
@@ -103,6 +130,15 @@ class BaseParts:
         class that loads it from a folder); `converters[slot]` for a layout other than transformers' names."""
         ignore, optional, converters = ignore or {}, optional or {}, converters or {}
         kinds = self.files.text_encoders
+        if self.meta:
+            paths = assign_files(self.text_files, kinds, "model.text_encoder_path") if self.text_files else {}
+            if not paths and all(self.in_denoiser_file(kind) for kind in kinds.values()):
+                paths = dict.fromkeys(kinds, self.source)
+            return {slot: empty_model(lambda: build(self.meta_config(
+                        kinds[slot], "text_encoder", paths.get(slot),
+                        lambda: loader.config_class.from_pretrained(self.source, subfolder=subfolder).to_dict())),
+                        dtype)
+                    for slot, (subfolder, build, loader) in builders.items()}
         if self.text_files:
             paths = assign_files(self.text_files, kinds, "model.text_encoder_path")
             key = "model.text_encoder_path"
@@ -126,6 +162,13 @@ class BaseParts:
 
     def vae(self, model_class, dtype: torch.dtype, converter: Callable | None = None) -> torch.nn.Module:
         path = self.cfg.vae_name_or_path
+        if self.meta:
+            given = self.resolve(path, "model.vae_name_or_path") if path else None
+            file = given if given and is_single_file(given) else (
+                self.source if self.in_denoiser_file(self.files.vae) else None)
+            config = self.meta_config(self.files.vae, "vae", file,
+                                      lambda: model_class.load_config(self.source, subfolder="vae"))
+            return empty_model(lambda: model_class.from_config(config), dtype)
         if path is None and self.in_denoiser_file(self.files.vae):
             path, key = self.source, "model.name_or_path"
         elif path is None:
@@ -146,6 +189,8 @@ class BaseParts:
     def tokenizers(self, loaders: dict[str, Callable]) -> dict[str, object]:
         """Each tokenizer by its pipeline subfolder (`loaders[subfolder]`: the class that loads it), after the text
         encoders."""
+        if self.meta:
+            return dict.fromkeys(loaders)
         files = [self.source, *self.text_files] if self.single else []  # a folder base keeps its own tokenizers
         found = {}
         for subfolder, loader in loaders.items():

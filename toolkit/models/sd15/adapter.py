@@ -74,20 +74,32 @@ class SD15Adapter(StableDiffusionAdapter):
     def load(cls, model_cfg: SD15ModelConfig, device: torch.device, dtype: torch.dtype,
              debug_memory: bool = False, sampling_models: bool = True,
              empty_denoiser: bool = False) -> SD15Adapter:
-        source = cls.resolve_source(model_cfg.name_or_path)
         with memory_debug("model load", debug_memory):
-            parts = BaseParts(sd15_files(), model_cfg, source, cls.resolve_source, lambda _: DEFAULT_COMPONENTS)
-            unet = parts.denoiser(UNet2DConditionModel, "unet", dtype, empty_denoiser, converter=ldm_unet_converter)
-            text_encoder = parts.text_encoders(
-                {"clip_l": ("text_encoder", lambda c: CLIPTextModel(CLIPTextConfig(**c)), CLIPTextModel)},
-                dtype, ignore={"clip_l": CLIP_EXTRAS})["clip_l"]
-            vae = parts.vae(AutoencoderKL, dtype, converter=ldm_vae_converter)
-            tokenizer = parts.tokenizers({"tokenizer": CLIPTokenizer})["tokenizer"]
-            scheduler = parts.scheduler(DDPMScheduler)
-        adapter = cls(unet, vae, text_encoder, tokenizer, ddpm_scheduler(scheduler, model_cfg.prediction_type), source)
-        adapter.parts_from = parts.origins
+            adapter = cls.assemble(model_cfg, cls.resolve_source(model_cfg.name_or_path), dtype, empty_denoiser)
         place_frozen(adapter.unet, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
+
+    @classmethod
+    def assemble(cls, model_cfg: SD15ModelConfig, source: str | None, dtype: torch.dtype, empty_denoiser: bool = False,
+                 meta: bool = False) -> SD15Adapter:
+        """The adapter over its parts, each from where the config says (toolkit/models/base_parts.py), unplaced."""
+        parts = BaseParts(sd15_files(), model_cfg, source, cls.resolve_source, lambda _: DEFAULT_COMPONENTS, meta)
+        unet = parts.denoiser(UNet2DConditionModel, "unet", dtype, empty_denoiser, converter=ldm_unet_converter)
+        text_encoder = parts.text_encoders(
+            {"clip_l": ("text_encoder", lambda c: CLIPTextModel(CLIPTextConfig(**c)), CLIPTextModel)},
+            dtype, ignore={"clip_l": CLIP_EXTRAS})["clip_l"]
+        vae = parts.vae(AutoencoderKL, dtype, converter=ldm_vae_converter)
+        tokenizer = parts.tokenizers({"tokenizer": CLIPTokenizer})["tokenizer"]
+        scheduler = ddpm_scheduler(parts.scheduler(DDPMScheduler), model_cfg.prediction_type)
+        adapter = cls(unet, vae, text_encoder, tokenizer, scheduler, source or "")
+        adapter.parts_from = parts.origins
+        return adapter
+
+    @classmethod
+    def for_module_names(cls, name_or_path: str | None) -> SD15Adapter:
+        source = cls.resolve_source(name_or_path) if name_or_path else None
+        model_cfg = SD15ModelConfig(arch="sd15", name_or_path=source or "the published SD 1.5")
+        return cls.assemble(model_cfg, source, torch.float32, meta=True)
 
     @staticmethod
     def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:

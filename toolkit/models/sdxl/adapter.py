@@ -113,25 +113,38 @@ class SDXLAdapter(StableDiffusionAdapter):
     def load(cls, model_cfg: SDXLModelConfig, device: torch.device, dtype: torch.dtype,
              debug_memory: bool = False, sampling_models: bool = True,
              empty_denoiser: bool = False) -> SDXLAdapter:
-        source = cls.resolve_source(model_cfg.name_or_path)
         with memory_debug("model load", debug_memory):
-            parts = BaseParts(sdxl_files(), model_cfg, source, cls.resolve_source, lambda _: DEFAULT_COMPONENTS)
-            unet = parts.denoiser(UNet2DConditionModel, "unet", dtype, empty_denoiser, converter=ldm_unet_converter)
-            encoders = parts.text_encoders(
-                {"clip_l": ("text_encoder", lambda c: CLIPTextModel(CLIPTextConfig(**c)), CLIPTextModel),
-                 "clip_g": ("text_encoder_2", lambda c: CLIPTextModelWithProjection(CLIPTextConfig(**c)),
-                            CLIPTextModelWithProjection)},
-                dtype, ignore={"clip_l": CLIP_EXTRAS, "clip_g": CLIP_EXTRAS}, converters={"clip_g": open_clip_converter})
-            vae = cls._vae_in_safe_dtype(parts.vae(AutoencoderKL, dtype, converter=ldm_vae_converter), dtype)
-            tokenizers = parts.tokenizers({"tokenizer": CLIPTokenizer, "tokenizer_2": SecondTokenizer})
-            scheduler = ddpm_scheduler(parts.scheduler(DDPMScheduler), model_cfg.prediction_type)
-        vae_source = parts.origins["vae"] if model_cfg.vae_name_or_path else None
-        adapter = cls(unet, vae, encoders["clip_l"], encoders["clip_g"], tokenizers["tokenizer"],
-                      tokenizers["tokenizer_2"], scheduler, source, vae_source)
-        adapter.parts_from = parts.origins
+            adapter = cls.assemble(model_cfg, cls.resolve_source(model_cfg.name_or_path), dtype, empty_denoiser)
         place_frozen(adapter.unet, [adapter.vae, adapter.text_encoder, adapter.text_encoder_2], device,
                      model_cfg.low_vram)
         return adapter
+
+    @classmethod
+    def assemble(cls, model_cfg: SDXLModelConfig, source: str | None, dtype: torch.dtype, empty_denoiser: bool = False,
+                 meta: bool = False) -> SDXLAdapter:
+        """The adapter over its parts, each from where the config says (toolkit/models/base_parts.py), unplaced."""
+        parts = BaseParts(sdxl_files(), model_cfg, source, cls.resolve_source, lambda _: DEFAULT_COMPONENTS, meta)
+        unet = parts.denoiser(UNet2DConditionModel, "unet", dtype, empty_denoiser, converter=ldm_unet_converter)
+        encoders = parts.text_encoders(
+            {"clip_l": ("text_encoder", lambda c: CLIPTextModel(CLIPTextConfig(**c)), CLIPTextModel),
+             "clip_g": ("text_encoder_2", lambda c: CLIPTextModelWithProjection(CLIPTextConfig(**c)),
+                        CLIPTextModelWithProjection)},
+            dtype, ignore={"clip_l": CLIP_EXTRAS, "clip_g": CLIP_EXTRAS}, converters={"clip_g": open_clip_converter})
+        vae = parts.vae(AutoencoderKL, dtype, converter=ldm_vae_converter)
+        vae = vae if meta else cls._vae_in_safe_dtype(vae, dtype)
+        tokenizers = parts.tokenizers({"tokenizer": CLIPTokenizer, "tokenizer_2": SecondTokenizer})
+        scheduler = ddpm_scheduler(parts.scheduler(DDPMScheduler), model_cfg.prediction_type)
+        vae_source = parts.origins.get("vae") if model_cfg.vae_name_or_path else None
+        adapter = cls(unet, vae, encoders["clip_l"], encoders["clip_g"], tokenizers["tokenizer"],
+                      tokenizers["tokenizer_2"], scheduler, source or "", vae_source)
+        adapter.parts_from = parts.origins
+        return adapter
+
+    @classmethod
+    def for_module_names(cls, name_or_path: str | None) -> SDXLAdapter:
+        source = cls.resolve_source(name_or_path) if name_or_path else None
+        model_cfg = SDXLModelConfig(arch="sdxl", name_or_path=source or "the published SDXL 1.0")
+        return cls.assemble(model_cfg, source, torch.float32, meta=True)
 
     @staticmethod
     def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
