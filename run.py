@@ -326,8 +326,8 @@ def models_from(args: argparse.Namespace) -> int:
     try:
         families = {arch: family_files(arch) for arch in available_archs()}
         if args.arch and families.get(args.arch, family_files(args.arch)) is None:
-            raise UserError(f"--arch {args.arch}: this family reads only its denoiser from a single file so far "
-                            "(docs/models.md)")
+            raise UserError(f"--arch {args.arch}: difftune lists no ComfyUI files of this family (docs/models.md, "
+                            "\"A base from single files\")")
         readable = {arch: files for arch, files in families.items() if files is not None}
         print(report(args.models_from, readable, [args.arch] if args.arch else None), end="")
     except (UserError, ValueError) as err:

@@ -125,10 +125,12 @@ class BaseParts:
     def text_encoders(self, builders: dict[str, tuple[str, Callable[[dict], torch.nn.Module], Callable]],
                       dtype: torch.dtype, ignore: dict[str, tuple[str, ...]] | None = None,
                       optional: dict[str, tuple[str, ...]] | None = None,
-                      converters: dict[str, Callable] | None = None) -> dict[str, torch.nn.Module]:
+                      converters: dict[str, Callable] | None = None,
+                      skip: dict[str, tuple[str, ...]] | None = None) -> dict[str, torch.nn.Module]:
         """Each text encoder by slot: `builders[slot]` = (its pipeline subfolder, a builder from its config, the
-        class that loads it from a folder); `converters[slot]` for a layout other than transformers' names."""
-        ignore, optional, converters = ignore or {}, optional or {}, converters or {}
+        class that loads it from a folder); `converters[slot]` for a layout other than transformers' names; `skip`,
+        `ignore`, `optional`: as `load_part` takes them."""
+        ignore, optional, converters, skip = ignore or {}, optional or {}, converters or {}, skip or {}
         kinds = self.files.text_encoders
         if self.meta:
             paths = assign_files(self.text_files, kinds, "model.text_encoder_path") if self.text_files else {}
@@ -154,7 +156,7 @@ class BaseParts:
         for slot, (subfolder, build, _) in builders.items():
             part = load_part(paths[slot], kinds[slot], "text_encoder", build, dtype, "cpu", key=key,
                              converter=converters.get(slot), ignore=ignore.get(slot, ()),
-                             optional=optional.get(slot, ()))
+                             optional=optional.get(slot, ()), skip=skip.get(slot, ()))
             loaded[slot] = part.model
             origins.append(part.origin(paths[slot]))
         self.origins["text_encoders"] = ", ".join(origins)

@@ -122,24 +122,29 @@ class QuantizedBaseOptions(Section):
         "into a separate sampling model or the saved LoRA.")
 
 
-class PartFilesOptions(Section):
-    """The base's other parts as single files (ComfyUI's `models/text_encoders`, `models/vae`), beside a single-file
-    denoiser in `name_or_path`: which variant each file is, is read from its tensor names and shapes, and its configs
-    ship with difftune, so nothing is downloaded. Without them, a single-file denoiser takes its other parts from
+class TextFilesOptions(Section):
+    """The base's text encoders as single files (ComfyUI's `models/text_encoders`), beside a single-file denoiser in
+    `name_or_path`: which variant each file is, is read from its tensor names and shapes, and its configs ship with
+    difftune, so nothing is downloaded. Without them, a single-file denoiser takes its other parts from
     `single_file_config`."""
 
     text_encoder_path: str | list[str] | None = Field(
         None, description="The text encoder file, or a list of files for a family with several (in any order: each "
         "is told apart by its contents), e.g. ComfyUI's clip_l.safetensors and t5xxl_fp16.safetensors. fp8 and "
         "scaled-fp8 files are used as stored.", json_schema_extra=aka("text_encoder", "clip_path", "te_path"))
-    vae_name_or_path: str | None = Field(
-        None, description="The VAE: a single file (e.g. ComfyUI's ae.safetensors), a diffusers VAE folder, or a "
-        "hub id. Default: the base's.", json_schema_extra=aka("vae", "vae_path"))
     tokenizer: str | None = Field(
         None, description="Where the tokenizers come from (no weight file holds them): a ComfyUI installation "
         "(its source tree's tokenizer folders), a diffusers pipeline folder or hub id (its tokenizer subfolders), "
         "or, for a family with one tokenizer, a tokenizer folder. Default: the ComfyUI installation the model files "
         "lie in, else `single_file_config`. docs/models.md says which tokenizer each family needs.")
+
+
+class PartFilesOptions(TextFilesOptions):
+    """The base's text encoders and VAE as single files (ComfyUI's `models/text_encoders`, `models/vae`)."""
+
+    vae_name_or_path: str | None = Field(
+        None, description="The VAE: a single file (e.g. ComfyUI's ae.safetensors), a diffusers VAE folder, or a "
+        "hub id. Default: the base's.", json_schema_extra=aka("vae", "vae_path"))
 
 
 class DDPMOptions(Section):

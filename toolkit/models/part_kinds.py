@@ -111,6 +111,16 @@ def read_clip_g(part: PartNames) -> dict[str, Any] | None:
     return {"layers": layers, "width": embedding[1], "vocabulary": embedding[0]}
 
 
+def read_clip_text_any(part: PartNames) -> dict[str, Any] | None:
+    """A CLIP text model in transformers' names (its `text_model.` prefix removed) or in open_clip's (a whole CLIP
+    model's file, e.g. laion's open_clip_pytorch_model: its text tower)."""
+    if part.has("token_embedding.weight") and part.has("transformer.resblocks.0.ln_1.weight"):
+        embedding = part.shape("token_embedding.weight")
+        return {"layers": part.count(r"transformer\.resblocks\.(\d+)\."), "width": embedding[1],
+                "vocabulary": embedding[0]}
+    return read_clip_text(part)
+
+
 def open_clip_layout(part: PartNames) -> bool:
     return part.has("token_embedding.weight")
 
@@ -156,3 +166,9 @@ def sdxl_vae(tiny: Iterable[Variant] = ()) -> PartKind:
 def qwen3_4b(tiny: Iterable[Variant] = ()) -> PartKind:
     return kind("qwen3_4b", "Qwen3-4B text encoder", read_qwen3,
                 published("text_encoders.json", "qwen3-4b") + tuple(tiny), QWEN_PREFIXES)
+
+
+def clip_bigg_text(tiny: Iterable[Variant] = ()) -> PartKind:
+    """OpenCLIP ViT-bigG/14's text tower without its projection (the Wuerstchen prior's text encoder)."""
+    return kind("clip_bigg", "CLIP ViT-bigG text encoder", read_clip_text_any,
+                published("text_encoders.json", "clip-bigg-text") + tuple(tiny), ("text_model.",))

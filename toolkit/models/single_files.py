@@ -140,7 +140,7 @@ def pickled_tensors(path: Path) -> dict:
         loaded = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:  # pickle and zip errors of many kinds
         raise UserError(f"{path}: not a checkpoint torch reads safely ({error}); convert it to safetensors") from None
-    for wrapper in ("state_dict", "ema_state_dict", "module"):
+    for wrapper in ("ema_state_dict", "state_dict", "module"):  # a training checkpoint's averaged weights first
         if isinstance(loaded, dict) and isinstance(loaded.get(wrapper), dict):
             loaded = loaded[wrapper]
             break
@@ -253,12 +253,13 @@ class FamilyFiles:
 
     denoiser: PartKind
     text_encoders: dict[str, PartKind]
-    vae: PartKind
+    #: None for a family whose images are encoded by another model (the Wuerstchen prior's EfficientNet)
+    vae: PartKind | None
     comfy_tokenizers: dict[str, str]
 
     def kinds(self) -> dict[str, PartKind]:
         """Every part kind by role: `denoiser`, each text encoder's slot, `vae`."""
-        return {"denoiser": self.denoiser, **self.text_encoders, "vae": self.vae}
+        return {"denoiser": self.denoiser, **self.text_encoders, **({"vae": self.vae} if self.vae else {})}
 
 
 def format_facts(facts: Mapping[str, Any]) -> str:

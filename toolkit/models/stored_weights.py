@@ -50,9 +50,10 @@ class StoredState:
     row_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def read_stored(path: str | Path, prefix: str = "") -> StoredState:
-    """The tensors of `path` under `prefix` (removed), in their stored dtypes, with scaled-fp8 scales taken out. A file
-    that does not read (damaged, cut short) is named."""
+def read_stored(path: str | Path, prefix: str = "", skip: tuple[str, ...] = ()) -> StoredState:
+    """The tensors of `path` under `prefix` (removed), in their stored dtypes, with scaled-fp8 scales taken out; those
+    whose names (the prefix removed) start with `skip` are not read (another model's part of the file). A file that
+    does not read (damaged, cut short) is named."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -62,11 +63,12 @@ def read_stored(path: str | Path, prefix: str = "") -> StoredState:
 
             return StoredState({k[len(prefix):]: v for k, v in load_gguf_checkpoint(str(path)).items()
                                 if k.startswith(prefix)})
+        wanted = lambda key: key.startswith(prefix) and not key[len(prefix):].startswith(skip)  # noqa: E731
         if path.suffix in PICKLED:
-            tensors = {k[len(prefix):]: v for k, v in pickled_tensors(path).items() if k.startswith(prefix)}
+            tensors = {k[len(prefix):]: v for k, v in pickled_tensors(path).items() if wanted(k)}
             return split_scales(tensors, path)
         with safe_open(str(path), "pt") as handle:
-            tensors = {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
+            tensors = {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if wanted(key)}
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:  # a damaged or cut-short file
         raise UserError(f"{path}: the weights cannot be read ({error})") from None
     return split_scales(tensors, path)
@@ -254,12 +256,14 @@ def empty_model(build: Callable[[], torch.nn.Module], dtype: torch.dtype) -> tor
 
 def load_part(path: str, kind, component: str, build: Callable[[dict], torch.nn.Module], dtype: torch.dtype,
               device: torch.device | str, converter: Callable | None = None, key: str = "model.name_or_path",
-              config: dict | None = None, ignore: tuple[str, ...] = (), optional: tuple[str, ...] = ()):
+              config: dict | None = None, ignore: tuple[str, ...] = (), optional: tuple[str, ...] = (),
+              skip: tuple[str, ...] = ()):
     """One part (`component` of the pipeline: transformer, text_encoder, vae) from a single file: which variant of
     `kind` it is (from its names and shapes), the model built from that variant's shipped config (or `config`, from
     `model.single_file_config`; the variant is then None where it is of no known one), its tensors converted
     (`converter(part names, config)` gives the converter for the file's layout, or None for names already the
-    model's) and loaded as stored."""
+    model's) and loaded as stored; tensors whose names start with `skip` (another model's, in the same file) are not
+    read, those ending in `ignore` are dropped."""
     from toolkit.models.single_files import UnknownFile, read_header
 
     header = read_header(path)
@@ -271,7 +275,7 @@ def load_part(path: str, kind, component: str, build: Callable[[dict], torch.nn.
         part, variant = header.part(kind.prefixes), None  # the configs come from `single_file_config`
     config = config if config is not None else variant.config(component)
     model = empty_model(lambda: build(config), dtype)
-    state = read_stored(path, part.prefix)
+    state = read_stored(path, part.prefix, skip)
     for name in [n for n in state.tensors if n.endswith(ignore)]:
         del state.tensors[name]
     state = convert(state, converter(part, config) if converter else None)

@@ -17,13 +17,16 @@ from diffusers.pipelines.deprecated.wuerstchen import (
     WuerstchenPrior,
 )
 from torch import nn
-from transformers import CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import WuerstchenNoiseSchedule
 from toolkit.models.base import Expert, LatentDist, LoraFileFormat, ModelAdapter, PromptEmbeds, SamplingParts
-from toolkit.models.common import ClipTextRules, encoder_identity, first_weight, place_frozen, pretrained_denoiser
+from toolkit.models.base_parts import CLIP_EXTRAS, BaseParts
+from toolkit.models.common import ClipTextRules, encoder_identity, first_weight, place_frozen
+from toolkit.models.part_kinds import open_clip_layout
 from toolkit.models.wuerstchen.config import FACTS, WuerstchenModelConfig
+from toolkit.models.wuerstchen.files import original_layout, wuerstchen_files
 from toolkit.models.wuerstchen.image_encoder import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -77,6 +80,46 @@ class WuerstchenSampling(SamplingParts):
         return [] if d is None else [d["decoder"], d["vqgan"], d["text_encoder"]]
 
 
+#: where a single-file prior's parts not named as files come from, by default
+DEFAULT_COMPONENTS = "warp-ai/wuerstchen-prior"
+
+
+def original_prior_names(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The published prior's names (torch's fused attention: `attention.attn.in_proj_weight`, `out_proj`) as
+    diffusers' WuerstchenPrior names them (`to_q`/`to_k`/`to_v`, `to_out.0`), as diffusers' conversion script
+    (scripts/convert_wuerstchen.py, not importable) splits them."""
+    out = {}
+    for key, value in checkpoint.items():
+        for fused, kind in (("attention.attn.in_proj_weight", "weight"), ("attention.attn.in_proj_bias", "bias")):
+            if key.endswith(fused):
+                stem = key[: -len(fused)]
+                for name, part in zip(("to_q", "to_k", "to_v"), value.chunk(3, dim=0)):
+                    out[f"{stem}attention.{name}.{kind}"] = part
+                break
+        else:
+            out[key.replace("attention.attn.out_proj.", "attention.to_out.0.")] = value
+    return out
+
+
+def open_clip_text_converter(part, config: dict):
+    """An open_clip CLIP model's text tower (laion's open_clip_pytorch_model) in CLIPTextModel's names: diffusers'
+    converter, then transformers 5's names (no `text_model.` level) and no projection (the prior reads the last
+    hidden state)."""
+    if not open_clip_layout(part):
+        return None
+    from types import SimpleNamespace
+
+    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+
+    text_model = SimpleNamespace(config=SimpleNamespace(hidden_size=config["hidden_size"]))
+
+    def convert(checkpoint: dict) -> dict:
+        converted = convert_open_clip_checkpoint(text_model, checkpoint, prefix="")
+        return {k.removeprefix("text_model."): v for k, v in converted.items() if k != "text_projection.weight"}
+
+    return convert
+
+
 class WuerstchenAdapter(ModelAdapter):
     arch = "wuerstchen"
     facts = FACTS
@@ -125,6 +168,20 @@ class WuerstchenAdapter(ModelAdapter):
                      adapter.sampling.only_modules())
         return adapter
 
+    @classmethod
+    def for_module_names(cls, name_or_path: str | None) -> WuerstchenAdapter:
+        """The prior and its text encoder on the meta device (no image encoder, no decoder: the LoRA is the
+        prior's)."""
+        source = normalize_path(name_or_path) if name_or_path else None
+        if source == "tiny":
+            from toolkit.models.wuerstchen.tiny import ensure_tiny_wuerstchen
+
+            source = str(ensure_tiny_wuerstchen() / "prior")
+        model_cfg = WuerstchenModelConfig(arch="wuerstchen", name_or_path=source or "the published prior",
+                                          image_encoder_path="none")
+        prior_parts = cls._load_prior_parts(source, model_cfg, torch.float32, meta=True)
+        return cls(*prior_parts, image_encoder=None, decoder=None, sources={"prior": source or ""})
+
     @staticmethod
     def _resolve_sources(model_cfg: WuerstchenModelConfig) -> dict[str, str]:
         sources = {"prior": normalize_path(model_cfg.name_or_path),
@@ -141,15 +198,19 @@ class WuerstchenAdapter(ModelAdapter):
         return sources
 
     @staticmethod
-    def _load_prior_parts(source: str, model_cfg: WuerstchenModelConfig, dtype: torch.dtype,
-                          empty_denoiser: bool = False) -> tuple:
-        kw: dict[str, Any] = {"variant": model_cfg.variant, "revision": model_cfg.revision}
-        prior = pretrained_denoiser(WuerstchenPrior, source, "prior", dtype, empty_denoiser, **kw)
-        text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **kw)
-        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=model_cfg.revision)
-        scheduler = DDPMWuerstchenScheduler.from_pretrained(source, subfolder="scheduler",
-                                                            revision=model_cfg.revision)
-        return prior, text_encoder, tokenizer, scheduler
+    def _load_prior_parts(source: str | None, model_cfg: WuerstchenModelConfig, dtype: torch.dtype,
+                          empty_denoiser: bool = False, meta: bool = False) -> tuple:
+        """The prior, its text encoder, tokenizer and scheduler, each from where the config says
+        (toolkit/models/base_parts.py): a prior pipeline folder or hub id, or the original published files."""
+        parts = BaseParts(wuerstchen_files(), model_cfg, source, normalize_path, lambda _: DEFAULT_COMPONENTS, meta)
+        prior = parts.denoiser(WuerstchenPrior, "prior", dtype, empty_denoiser,
+                               converter=lambda part, _: original_prior_names if original_layout(part) else None)
+        text_encoder = parts.text_encoders(
+            {"clip_bigg": ("text_encoder", lambda c: CLIPTextModel(CLIPTextConfig(**c)), CLIPTextModel)}, dtype,
+            converters={"clip_bigg": open_clip_text_converter}, skip={"clip_bigg": ("visual.",)},
+            ignore={"clip_bigg": CLIP_EXTRAS + ("logit_scale",)})["clip_bigg"]
+        tokenizer = parts.tokenizers({"tokenizer": CLIPTokenizer})["tokenizer"]
+        return prior, text_encoder, tokenizer, parts.scheduler(DDPMWuerstchenScheduler)
 
     @staticmethod
     def _load_decoder(source: str, dtype: torch.dtype) -> dict[str, Any]:

@@ -6,12 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from toolkit.models.config import FamilyFacts, ModelConfigBase
+from toolkit.models.config import FamilyFacts, ModelConfigBase, TextFilesOptions
 
 FACTS = FamilyFacts(title="Wuerstchen v2 prior", sampling_needs="decoder_name_or_path")
 
 
-class WuerstchenModelConfig(ModelConfigBase):
+class WuerstchenModelConfig(TextFilesOptions, ModelConfigBase):
     """`model` with `arch: wuerstchen`: the Wuerstchen v2 prior (stage C) on EfficientNetV2-S image embeddings."""
 
     arch: Literal["wuerstchen"] = Field(..., description="wuerstchen: the Wuerstchen v2 prior.",
