@@ -178,7 +178,8 @@ def write_flux_comfy(adapter, root: Path, storage: str = "float32", prefix: str 
     save_file(contiguous(stored(clip, "float32")), str(paths["clip_l"]))
     t5 = {k: v for k, v in plain(adapter.text_encoder_2).items() if k != "encoder.embed_tokens.weight"}
     save_file(contiguous(stored(t5, storage)), str(paths["t5xxl"]))
-    vae = {k[len("first_stage_model."):]: v for k, v in convert_vae(plain(adapter.vae), dict(adapter.vae.config)).items()}
+    vae = {k[len("first_stage_model."):]: v
+           for k, v in convert_vae(plain(adapter.vae), dict(adapter.vae.config)).items()}
     save_file(contiguous(vae), str(paths["vae"]))
     write_tokenizer_tree(root, {"comfy/sd1_tokenizer": adapter.tokenizer,
                                 "comfy/text_encoders/t5_tokenizer": adapter.tokenizer_2})

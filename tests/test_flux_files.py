@@ -266,7 +266,8 @@ def test_a_folder_base_takes_its_text_encoders_and_vae_from_files(reference, com
                        text_encoder_path=[str(paths["clip_l"]), str(paths["t5xxl"])])
     mixed = FluxAdapter.load(cfg, CPU, torch.float32)
     assert qtypes(mixed.text_encoder_2) == {"qfloat8_e4m3fn"} and not qtypes(mixed.transformer)
-    assert mixed.parts_from["vae"].startswith(str(paths["vae"])) and mixed.parts_from["tokenizer"].endswith("(the base)")
+    assert mixed.parts_from["vae"].startswith(str(paths["vae"]))
+    assert mixed.parts_from["tokenizer"].endswith("(the base)")
     embeds, _ = predictions(mixed)
     assert not torch.equal(embeds, predictions(reference(torch.float32))[0])  # the fp8 T5's
 
@@ -285,7 +286,7 @@ def test_kontext_loads_from_comfyuis_files(comfy_install, tiny_cache):
     assert "tiny FLUX.1 preset" in files.parts_from["transformer"]
 
 
-# ---- tokenizers and files given wrong ---------------------------------------------------------------------------------
+# ---- tokenizers and files given wrong ------------------------------------------------------------------------------
 
 
 def test_model_tokenizer_names_where_tokenizers_come_from(reference, comfy_install, tmp_path, tiny_cache):

@@ -238,11 +238,11 @@ def test_quantized_loading_reads_layer_by_layer_and_keeps_the_edges(tiny_cache, 
     reads: list[tuple[list[str], int]] = []
     original = quantize.StreamedWeights.read
 
-    def recording(self, names, dtype, device):
+    def recording(self, names, dtype, device, **options):
         frozen = sum(isinstance(m, QModuleMixin) and m.frozen for m in model_being_loaded[0].modules()) \
             if model_being_loaded else 0
         reads.append((names, frozen))
-        return original(self, names, dtype, device)
+        return original(self, names, dtype, device, **options)
 
     model_being_loaded: list[torch.nn.Module] = []
     original_load = quantize.load_quantized

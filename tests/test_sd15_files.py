@@ -92,7 +92,8 @@ def installation(tiny_sd15, folder_model, tmp_path_factory):
     unet_config = dict(adapter.unet.config)
     (models / "unet").mkdir()
     save_file(contiguous({k.removeprefix("model.diffusion_model."): v for k, v in
-                          convert_unet(plain(adapter.unet), unet_config).items()}), str(models / "unet" / "u.safetensors"))
+                          convert_unet(plain(adapter.unet), unet_config).items()}),
+              str(models / "unet" / "u.safetensors"))
     (models / "clip").mkdir()
     save_file(contiguous({f"text_model.{k}": v for k, v in plain(adapter.text_encoder).items()}),
               str(models / "clip" / "clip_l.safetensors"))

@@ -110,6 +110,10 @@ def int8pack_mm_takes(activations: torch.Tensor, output_scales: torch.Tensor) ->
     return activations.dtype == torch.float32 or activations.shape[-1] % 16 == 0
 
 
+def is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def quanto_qtype(name: str):
     """The quanto weight type for a config name (`qfloat8`, `qint8`, `qint4`)."""
     if name not in QTYPES:
@@ -225,19 +229,33 @@ def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
 
 class StreamedWeights:
     """Where each tensor of a model's weight files lives: {state-dict name: (file, name in the file)}. Files may
-    carry a common prefix (e.g. ComfyUI's `model.diffusion_model.`), which `strip` removes."""
+    carry a common prefix (e.g. ComfyUI's `model.diffusion_model.`), which `strip` removes. ComfyUI's scaled-fp8
+    bookkeeping (markers, input scales, formats) is left out, and each weight scale is kept apart (`scales`)."""
 
     def __init__(self, files: list[Path], strip: tuple[str, ...] = ()):
+        from toolkit.models.single_files import (
+            INPUT_SCALE_SUFFIXES,
+            QUANT_CONFIG_SUFFIX,
+            SCALED_FP8_MARKER,
+            WEIGHT_SCALE_SUFFIXES,
+        )
+
         self.location: dict[str, tuple[Path, str]] = {}
+        #: {weight name: (file, name of its scale in the file)} (scaled fp8)
+        self.scales: dict[str, tuple[Path, str]] = {}
         for path in files:
             with safe_open(str(path), "pt") as handle:
                 for key in handle.keys():
                     name = next((key[len(p):] for p in strip if key.startswith(p)), key)
-                    self.location[name] = (path, key)
+                    if name.endswith(WEIGHT_SCALE_SUFFIXES):
+                        self.scales[name.rsplit(".", 1)[0] + ".weight"] = (path, key)
+                    elif not name.endswith(INPUT_SCALE_SUFFIXES + (QUANT_CONFIG_SUFFIX, SCALED_FP8_MARKER)):
+                        self.location[name] = (path, key)
 
-    def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """The named tensors, in `dtype` (floating point only) on `device`; each file is opened for the read and
-        closed after, so that no mapping of the whole file stays resident."""
+    def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str,
+             as_stored: bool = False) -> dict[str, torch.Tensor]:
+        """The named tensors, in `dtype` (floating point only; with `as_stored`, fp8 tensors stay fp8) on `device`;
+        each file is opened for the read and closed after, so that no mapping of the whole file stays resident."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self.location[name][0], []).append(name)
@@ -246,10 +264,22 @@ class StreamedWeights:
             with safe_open(str(path), "pt") as handle:
                 for name in in_file:
                     tensor = handle.get_tensor(self.location[name][1])
+                    cast = dtype if tensor.is_floating_point() and not (as_stored and is_fp8(tensor)) else None
+                    if is_fp8(tensor) and cast is not None:  # dequantized: the stored values times their scale
+                        tensor = tensor.to(torch.float32) * self.scale(name).reshape(
+                            (-1,) + (1,) * (tensor.dim() - 1))
                     # a copy, even where dtype and device already match: a tensor kept as read would keep the
                     # whole file mapped, and every page of it read so far resident
-                    tensors[name] = tensor.to(device, dtype if tensor.is_floating_point() else None, copy=True)
+                    tensors[name] = tensor.to(device, cast, copy=True)
         return tensors
+
+    def scale(self, name: str) -> torch.Tensor:
+        """A stored fp8 weight's scale per output row (float32; 1 for an unscaled fp8 file)."""
+        if name not in self.scales:
+            return torch.ones(1)
+        path, key = self.scales[name]
+        with safe_open(str(path), "pt") as handle:
+            return handle.get_tensor(key).float().reshape(-1)
 
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows `start:stop` (of dim 0) of one tensor, in `dtype` (floating point only), on the CPU: only those rows
@@ -273,7 +303,9 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
     host memory first and quantizes where the tensors land; this keeps peak memory at one layer and quantizes on
     the accelerator. `blocks` are module names; the rest of the model (embedders, final layers, norms) is read
     last, with `exclude` (fnmatch patterns over module names) kept in full precision. `qtype` None reads the model
-    the same way without quantizing it."""
+    the same way without quantizing it. An fp8 file's Linear weights are kept as stored (its bytes and scales, as
+    quanto qfloat8 layers: toolkit/models/stored_weights.py), quantized or not; its other fp8 tensors are
+    dequantized into `dtype`."""
     from accelerate.utils import set_module_tensor_to_device
 
     weights_type = quanto_qtype(qtype) if qtype else None
@@ -291,30 +323,54 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
         raise ValueError(f"{source}: the weights do not fit {type(empty_model).__name__}'s config: "
                          f"{'; '.join(detail)}")
     done: set[str] = set()
+    stored_layers: list[str] = []
 
     def fill(names: list[str]) -> None:
-        for name, tensor in weights.read(names, dtype, device).items():
+        tensors = weights.read(names, dtype, device, as_stored=True)
+        for name, tensor in list(tensors.items()):
+            layer = name.rpartition(".")[0]
+            if is_fp8(tensor) and name.endswith(".weight") and type(empty_model.get_submodule(layer)) is torch.nn.Linear:
+                # an fp8 file's Linear layer, kept as stored (toolkit/models/stored_weights.py)
+                from toolkit.models.stored_weights import stored_linear
+
+                parent, _, child = layer.rpartition(".")
+                linear = empty_model.get_submodule(layer)
+                bias = tensors.pop(f"{layer}.bias", None)
+                if bias is None and linear.bias is not None:
+                    bias = weights.read([f"{layer}.bias"], dtype, device)[f"{layer}.bias"]
+                    done.add(f"{layer}.bias")
+                replacement = stored_linear(linear, tensors.pop(name), weights.scale(name).expand(tensor.shape[0]),
+                                            bias, dtype, device)
+                setattr(empty_model.get_submodule(parent) if parent else empty_model, child, replacement)
+                stored_layers.append(layer)
+        for name, tensor in tensors.items():
+            if is_fp8(tensor):  # outside a Linear layer: dequantized
+                tensor = (tensor.to(torch.float32) * weights.scale(name).reshape((-1,) + (1,) * (tensor.dim() - 1)))
+                tensor = tensor.to(dtype)
             # clear_cache off: accelerate would empty the CUDA cache for every tensor
             set_module_tensor_to_device(empty_model, name, device, value=tensor, dtype=tensor.dtype, clear_cache=False)
         done.update(names)
 
     for block in blocks:
         if weights_type is None:  # read one block at a time, nothing quantized
-            fill(sorted(n for n in expected if n.startswith(block + ".")))
+            fill(sorted(n for n in expected - done if n.startswith(block + ".")))
             continue
         block_module = empty_model.get_submodule(block)
         for name, layer in list(block_module.named_modules()):
             full = f"{block}.{name}"
             if not isinstance(layer, QUANTIZABLE) or any(fnmatch(full, pattern) for pattern in exclude):
                 continue
-            fill(sorted(n for n in expected if n.rpartition(".")[0] == full))
+            fill(sorted(n for n in expected - done if n.rpartition(".")[0] == full))
+            if full in stored_layers:  # an fp8 file's layer: kept as stored, not quantized again
+                continue
             quantize(block_module, weights=weights_type, include=[glob.escape(name)])
             freeze(block_module.get_submodule(name))
             trim_host_heap()  # the layer's full-precision tensors and the quantizer's temporaries
         fill(sorted(n for n in expected - done if n.startswith(block + ".")))  # norms, unquantized layers
     fill(sorted(expected - done))
     if weights_type is not None:
-        quantize(empty_model, weights=weights_type, exclude=exclude + [p for b in blocks for p in subtree_patterns(b)])
+        quantize(empty_model, weights=weights_type, exclude=exclude + [p for b in blocks for p in subtree_patterns(b)]
+                 + [glob.escape(layer) for layer in stored_layers])
         freeze_new(empty_model)
     empty_model.requires_grad_(False)
     return empty_model.eval()

@@ -52,7 +52,7 @@ class BaseParts:
         #: the denoiser's variant (None: a folder base, or configs from `single_file_config`)
         self.variant: Variant | None = None
         self.origins: dict[str, str] = {}
-        text = model_cfg.text_encoder_path
+        text = getattr(model_cfg, "text_encoder_path", None)
         self.text_files = [resolve(p, "model.text_encoder_path")
                            for p in ([text] if isinstance(text, str) else list(text or []))]
         self._header = None
@@ -163,7 +163,7 @@ class BaseParts:
         return loaded
 
     def vae(self, model_class, dtype: torch.dtype, converter: Callable | None = None) -> torch.nn.Module:
-        path = self.cfg.vae_name_or_path
+        path = getattr(self.cfg, "vae_name_or_path", None)
         if self.meta:
             given = self.resolve(path, "model.vae_name_or_path") if path else None
             file = given if given and is_single_file(given) else (
@@ -196,8 +196,9 @@ class BaseParts:
         files = [self.source, *self.text_files] if self.single else []  # a folder base keeps its own tokenizers
         found = {}
         for subfolder, loader in loaders.items():
-            where = tokenizer_source(subfolder, self.files.comfy_tokenizers[subfolder], self.cfg.tokenizer, files,
-                                     self.components, single=len(loaders) == 1)
+            where = tokenizer_source(subfolder, self.files.comfy_tokenizers[subfolder],
+                                     getattr(self.cfg, "tokenizer", None), files, self.components,
+                                     single=len(loaders) == 1)
             kw = {"subfolder": where.subfolder} if where.subfolder else {}
             if where.origin == "the base" and self.single and self.text_from_files and not self.override:
                 kw["local_files_only"] = True  # parts given as files: the default repo only where it is cached

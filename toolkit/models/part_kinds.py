@@ -83,10 +83,12 @@ def read_sd_unet(part: PartNames) -> dict[str, Any] | None:
     its transformers project with linear layers (SD 2.x, SDXL) and whether it takes an added embedding (SDXL's size
     and pooled-text conditioning)."""
     first = part.shape("input_blocks.0.0.weight") or part.shape("conv_in.weight")
-    if first is None or not (part.has("middle_block.0.in_layers.0.weight") or part.has("mid_block.resnets.0.conv1.weight")):
+    middle = ("middle_block.0.in_layers.0.weight", "mid_block.resnets.0.conv1.weight")
+    if first is None or not any(part.has(name) for name in middle):
         return None
-    cross = next((info.shape for name, info in sorted(part.tensors.items()) if name.endswith("attn2.to_k.weight")), None)
-    proj_in = next((info.shape for name, info in sorted(part.tensors.items()) if name.endswith(".proj_in.weight")), None)
+    names = sorted(part.tensors)
+    cross = next((part.shape(name) for name in names if name.endswith("attn2.to_k.weight")), None)
+    proj_in = next((part.shape(name) for name in names if name.endswith(".proj_in.weight")), None)
     return {"width": first[0], "input channels": first[1], "context width": cross[1] if cross else None,
             "linear projection": bool(proj_in) and len(proj_in) == 2,
             "added embedding": part.has("label_emb.0.0.weight") or part.has("add_embedding.linear_1.weight")}
@@ -133,14 +135,33 @@ def read_qwen3(part: PartNames) -> dict[str, Any] | None:
     return {"layers": part.count(r"layers\.(\d+)\."), "width": embedding[1], "vocabulary": embedding[0]}
 
 
+def read_qwen25_vl(part: PartNames) -> dict[str, Any] | None:
+    """Qwen2.5-VL (its language model with qkv biases, no q/k norms, and its vision tower) in ComfyUI's names
+    (`model.layers.N`, `visual.blocks.N`: transformers' older layout) or transformers 5's (`model.language_model.`,
+    `model.visual.`): layers, width, vocabulary, vision blocks."""
+    for language, vision in (("model.", "visual."), ("model.language_model.", "model.visual.")):
+        embedding = part.shape(f"{language}embed_tokens.weight")
+        if embedding is not None and part.has(f"{language}layers.0.self_attn.q_proj.bias"):
+            return {"layers": part.count(rf"{re.escape(language)}layers\.(\d+)\."), "width": embedding[1],
+                    "vocabulary": embedding[0], "vision blocks": part.count(rf"{re.escape(vision)}blocks\.(\d+)\.")}
+    return None
+
+
+def comfy_qwen25_vl_names(checkpoint: dict) -> dict:
+    """ComfyUI's (transformers' older) Qwen2.5-VL names in transformers 5's: `model.` -> `model.language_model.`,
+    `visual.` -> `model.visual.`."""
+    return {("model.language_model." + k[len("model."):] if k.startswith("model.") else
+             "model." + k if k.startswith("visual.") else k): v for k, v in checkpoint.items()}
+
+
 def clip_l(tiny: Iterable[Variant] = ()) -> PartKind:
-    return kind("clip_l", "CLIP-L text encoder", read_clip_text, published("text_encoders.json", "clip-l") + tuple(tiny),
-                CLIP_L_PREFIXES)
+    return kind("clip_l", "CLIP-L text encoder", read_clip_text,
+                published("text_encoders.json", "clip-l") + tuple(tiny), CLIP_L_PREFIXES)
 
 
 def t5_xxl(tiny: Iterable[Variant] = ()) -> PartKind:
-    return kind("t5xxl", "T5-XXL text encoder", read_t5_encoder, published("text_encoders.json", "t5-xxl") + tuple(tiny),
-                T5_PREFIXES)
+    return kind("t5xxl", "T5-XXL text encoder", read_t5_encoder,
+                published("text_encoders.json", "t5-xxl") + tuple(tiny), T5_PREFIXES)
 
 
 def flux_vae(tiny: Iterable[Variant] = ()) -> PartKind:
@@ -172,3 +193,8 @@ def clip_bigg_text(tiny: Iterable[Variant] = ()) -> PartKind:
     """OpenCLIP ViT-bigG/14's text tower without its projection (the Wuerstchen prior's text encoder)."""
     return kind("clip_bigg", "CLIP ViT-bigG text encoder", read_clip_text_any,
                 published("text_encoders.json", "clip-bigg-text") + tuple(tiny), ("text_model.",))
+
+
+def qwen25_vl_7b(tiny: Iterable[Variant] = ()) -> PartKind:
+    return kind("qwen25_vl_7b", "Qwen2.5-VL-7B text encoder", read_qwen25_vl,
+                published("text_encoders.json", "qwen25-vl-7b") + tuple(tiny))

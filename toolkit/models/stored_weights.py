@@ -78,8 +78,8 @@ def split_scales(tensors: dict[str, torch.Tensor], path: Path | str = "") -> Sto
     """ComfyUI's scaled-fp8 layouts taken apart: the older one (a `scaled_fp8` marker, `<layer>.scale_weight`,
     `<layer>.scale_input`) and the newer one (`<layer>.weight_scale`, `<layer>.input_scale`, and the layer's format as
     JSON bytes in `<layer>.comfy_quant`). Markers, formats and input scales are dropped; each weight scale becomes its
-    weight's per-row scale. A layer in a format other than fp8 (nvfp4) is refused by name. A scale without its weight, or a weight scale that is not one number,
-    is named."""
+    weight's per-row scale. A layer in a format other than fp8 (nvfp4) is refused by name. A scale without its weight,
+    or a weight scale that is not one number, is named."""
     tensors = dict(tensors)
     for name in [n for n in tensors if n == SCALED_FP8_MARKER or n.endswith("." + SCALED_FP8_MARKER)]:
         del tensors[name]
@@ -183,8 +183,8 @@ def fill_stored(model: torch.nn.Module, state: StoredState, dtype: torch.dtype, 
                 source: str, optional: tuple[str, ...] = (), keep_fp8: bool = True) -> torch.nn.Module:
     """Fill `model` (built on the meta device) from a part's converted tensors: fp8 Linear weights kept as stored
     (`stored_linear`) when `keep_fp8`, everything else in `dtype` (the modules its library keeps in float32, in
-    float32: `float32_modules`). Missing tensors are named, except those ending in `optional` (tied weights the model ties itself);
-    tensors the model has no place for are named too."""
+    float32: `float32_modules`). Missing tensors are named, except those ending in `optional` (tied weights the
+    model ties itself); tensors the model has no place for are named too."""
     from accelerate.utils import set_module_tensor_to_device
 
     device = torch.device(device)

@@ -31,7 +31,8 @@ def read_transformer(part: PartNames) -> dict[str, Any] | None:
     """Block counts, width, input channels and the guidance embedding of a FLUX.1 transformer file, in BFL's names
     (`double_blocks.N`, `img_in`, `guidance_in`) or diffusers' (`transformer_blocks.N`, `x_embedder`)."""
     if part.has("img_in.weight"):
-        embedder, double, single, guidance = "img_in.weight", "double_blocks", "single_blocks", "guidance_in.in_layer.weight"
+        embedder, double, single = "img_in.weight", "double_blocks", "single_blocks"
+        guidance = "guidance_in.in_layer.weight"
     elif part.has("x_embedder.weight") and part.has("time_text_embed.timestep_embedder.linear_1.weight"):
         embedder, double, single = "x_embedder.weight", "transformer_blocks", "single_transformer_blocks"
         guidance = "time_text_embed.guidance_embedder.linear_1.weight"

@@ -24,7 +24,7 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from toolkit.device import memory_debug, to_device
 from toolkit.diffusion.schedules import FlowMatchNoiseSchedule
@@ -37,6 +37,7 @@ from toolkit.models.base import (
     SamplingParts,
     TextRules,
 )
+from toolkit.models.base_parts import BaseParts
 from toolkit.models.common import (
     ChannelNormalizedLatents,
     dynamic_shift_schedule,
@@ -49,7 +50,10 @@ from toolkit.models.common import (
     transformers_quantization,
     weights_placement,
 )
+from toolkit.models.part_kinds import comfy_qwen25_vl_names
 from toolkit.models.qwen_image.config import FACTS, QwenImageModelConfig
+from toolkit.models.qwen_image.files import qwen_image_files
+from toolkit.models.single_files import FamilyFiles
 from toolkit.models.qwen_image.tiny import ensure_tiny_qwen_image
 from toolkit.network.lora import merge_lora_state
 from toolkit.paths import normalize_path
@@ -191,11 +195,18 @@ class QwenImageAdapter(ModelAdapter):
         components = cls.resolve_source(model_cfg.single_file_config or cls.default_components_for(model_cfg),
                                         "model.single_file_config") if single else source
         kw = {"variant": None if single else model_cfg.variant, "revision": None if single else model_cfg.revision}
+        kinds = cls.file_kinds()
+        files = BaseParts(kinds, model_cfg, source, cls.resolve_source, lambda _: components) if kinds else None
+        # a single file of a known variant takes that variant's shipped configs (`single_file_config` overrides)
+        variant = (kinds.denoiser.variant(files.header())[1]
+                   if kinds and single and not model_cfg.single_file_config else None)
         options = cls.adapter_options(model_cfg, components)  # read before anything loads: a wrong model stops here
         # an assistant LoRA is merged in full precision, before any quantization
         qtype = model_cfg.qtype if model_cfg.quantize and not model_cfg.assistant_lora_path else None
         with memory_debug("transformer load" + (" and quantization" if qtype else ""), debug_memory):
-            transformer = cls.load_transformer(source, components, dtype, qtype, device, empty=empty_denoiser, **kw)
+            transformer = cls.load_transformer(source, components, dtype, qtype, device, empty=empty_denoiser,
+                                               config=variant.config("transformer") if variant else None, **kw)
+            origins = {"transformer": f"{source} ({variant.title})" if variant else source}
         if model_cfg.assistant_lora_path:
             with memory_debug("assistant LoRA load", debug_memory):
                 merge_assistant_lora(transformer, normalize_path(model_cfg.assistant_lora_path,
@@ -204,13 +215,47 @@ class QwenImageAdapter(ModelAdapter):
                 with memory_debug("transformer quantization", debug_memory):
                     quantize_blockwise(transformer, model_cfg.qtype, list(transformer.transformer_blocks),
                                        list(cls.QUANTIZATION_EXCLUDE), device)
+        te_qtype = model_cfg.qtype_te if model_cfg.quantize_te else None
+        text_files = files is not None and files.text_files
         with memory_debug("text encoder, VAE load", debug_memory):
-            parts = cls.load_components(components, dtype, model_cfg.qtype_te if model_cfg.quantize_te else None,
-                                        device, **kw)
-        adapter = cls(transformer, *parts, source=source, **options)
+            vae, text_encoder, tokenizer, scheduler, *more = cls.load_components(
+                components, dtype, te_qtype, device, **kw, **({"with_text": False} if text_files else {}))
+            if text_files:
+                text_encoder = cls.text_encoder_from_file(files, dtype, te_qtype, device)
+                tokenizer = files.tokenizers({"tokenizer": AutoTokenizer})["tokenizer"]
+                origins.update(files.origins)
+            if variant is not None:
+                scheduler = FlowMatchEulerDiscreteScheduler.from_config(variant.config("scheduler"))
+        adapter = cls(transformer, vae, text_encoder, tokenizer, scheduler, *more, source=source, **options)
+        adapter.parts_from = origins
         adapter.compute_dtype = dtype
         place_frozen(transformer, [adapter.vae, adapter.text_encoder], device, model_cfg.low_vram)
         return adapter
+
+    @classmethod
+    def file_kinds(cls) -> FamilyFiles | None:
+        """What the family takes as single files (its transformer's variants, its text encoder); None where a single
+        file still takes its configs and other parts from `single_file_config` (Qwen-Image-Edit)."""
+        return qwen_image_files()
+
+    @classmethod
+    def text_encoder_from_file(cls, files: BaseParts, dtype: torch.dtype, qtype: str | None,
+                               device: torch.device) -> Qwen2_5_VLForConditionalGeneration:
+        """Qwen2.5-VL from `model.text_encoder_path` (ComfyUI's file: the language model and vision tower in
+        transformers' older names, no LM head, which the text path never runs: it shares the embeddings' weights),
+        fp8 kept as stored; quantized block by block where asked."""
+        encoder = files.text_encoders(
+            {"qwen25_vl_7b": ("text_encoder", lambda c: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**c)),
+                              Qwen2_5_VLForConditionalGeneration)}, dtype,
+            converters={"qwen25_vl_7b": lambda part, _: comfy_qwen25_vl_names if part.has("model.embed_tokens.weight")
+                        else None},
+            optional={"qwen25_vl_7b": ("lm_head.weight",)})["qwen25_vl_7b"]
+        if encoder.lm_head.weight.device.type == "meta":
+            encoder.lm_head.weight = encoder.model.language_model.embed_tokens.weight
+        if qtype:
+            quantize_blockwise(encoder, qtype, list(encoder.model.language_model.layers), ["lm_head"], device,
+                               keep_quantized=True)
+        return encoder
 
     @classmethod
     def default_components_for(cls, model_cfg: QwenImageModelConfig) -> str:
@@ -231,7 +276,8 @@ class QwenImageAdapter(ModelAdapter):
     @classmethod
     def load_transformer(cls, source: str, components: str, dtype: torch.dtype, qtype: str | None = None,
                          device: torch.device | str = "cpu", variant: str | None = None,
-                         revision: str | None = None, empty: bool = False) -> QwenImageTransformer2DModel:
+                         revision: str | None = None, empty: bool = False,
+                         config: dict | None = None) -> QwenImageTransformer2DModel:
         """The transformer, frozen. With `qtype`, or from a single file, it is built empty from its config and read
         layer by layer onto `device` (quantized on the way with `qtype`; toolkit.quantize.load_quantized), so it is
         never whole in full precision. A single file (ComfyUI's layout: diffusers' names, with or without a
@@ -246,9 +292,10 @@ class QwenImageAdapter(ModelAdapter):
 
         if single and not Path(source).is_file():
             raise FileNotFoundError(f"model file not found: {source}")
-        # the config alone (from the hub: config.json only)
-        config = QwenImageTransformer2DModel.load_config(components, subfolder="transformer",
-                                                         revision=None if single else revision)
+        # the config alone: a single file's known variant's, or from the folder (from the hub: config.json only)
+        if config is None:
+            config = QwenImageTransformer2DModel.load_config(components, subfolder="transformer",
+                                                             revision=None if single else revision)
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(config)
         files = [Path(source)] if single else subfolder_weight_files(source, "transformer", variant, revision)
@@ -260,14 +307,17 @@ class QwenImageAdapter(ModelAdapter):
 
     @staticmethod
     def load_components(source: str, dtype: torch.dtype, te_qtype: str | None, device: torch.device,
-                        variant: str | None = None, revision: str | None = None) -> tuple:
-        """Text encoder (quantized by transformers' quanto support as its weights load, when `te_qtype` is given:
-        onto the accelerator, so quantizing is fast there), tokenizer, VAE and scheduler."""
+                        variant: str | None = None, revision: str | None = None, with_text: bool = True) -> tuple:
+        """VAE, text encoder (quantized by transformers' quanto support as its weights load, when `te_qtype` is
+        given: onto the accelerator, so quantizing is fast there), tokenizer and scheduler (the text encoder and
+        tokenizer None without `with_text`: they come from files)."""
         kw = {"variant": variant, "revision": revision}
-        quantized = transformers_quantization(te_qtype, device)
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(source, subfolder="text_encoder",
-                                                                          dtype=dtype, **quantized, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        text_encoder = tokenizer = None
+        if with_text:
+            quantized = transformers_quantization(te_qtype, device)
+            text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(source, subfolder="text_encoder",
+                                                                              dtype=dtype, **quantized, **kw)
+            tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
         vae = AutoencoderKLQwenImage.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kw)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
         return vae, text_encoder, tokenizer, scheduler

@@ -6,12 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOptions
+from toolkit.models.config import FamilyFacts, ModelConfigBase, QuantizedBaseOptions, TextFilesOptions
 
 FACTS = FamilyFacts(title="Qwen-Image")
 
 
-class QwenImageModelConfig(QuantizedBaseOptions, ModelConfigBase):
+class QwenImageModelConfig(TextFilesOptions, QuantizedBaseOptions, ModelConfigBase):
     """`model` with `arch: qwen_image`: Qwen-Image (a 20B MMDiT, the Qwen2.5-VL 7B text encoder, a 16-channel
     VAE). With `quantize`, the transformer is read and quantized one block at a time, so loading never holds it
     in full precision; `quantize_te` quantizes the text encoder as its weights load."""

@@ -183,6 +183,12 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return self._reference_rules
 
     @classmethod
+    def file_kinds(cls) -> None:
+        """Qwen-Image-Edit's files are not read part by part yet: a single transformer file takes its config and other
+        parts from `single_file_config` or the version's repository."""
+        return None
+
+    @classmethod
     def default_components_for(cls, model_cfg: QwenImageEditModelConfig) -> str:
         return DEFAULT_COMPONENTS[model_cfg.version or "2509"]
 
