@@ -114,6 +114,35 @@ def is_fp8(tensor: torch.Tensor) -> bool:
     return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def fp8_qtype(dtype: torch.dtype):
+    from optimum.quanto import qfloat8_e4m3fn, qfloat8_e5m2
+
+    return {torch.float8_e4m3fn: qfloat8_e4m3fn, torch.float8_e5m2: qfloat8_e5m2}[dtype]
+
+
+def stored_linear(linear: torch.nn.Linear, weight: torch.Tensor, row_scale: torch.Tensor | None,
+                  bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A quanto QLinear holding an fp8 weight as stored (`weight` bytes, `row_scale` or 1 per row, in `dtype`): an fp8
+    file's layer, never upcast (toolkit/models/stored_weights.py). quanto has no way to take already-quantized bytes
+    as they are; the layer is made of its own classes, so the rest (matmul, a LoRA's backward, its size) is quanto's."""
+    from optimum.quanto.nn import QLinear
+    from optimum.quanto.tensor.weights.qbytes import WeightQBytesTensor
+
+    keep_qfloat8_off_marlin()
+    keep_quantized_linear_dtypes_matched()
+    qtype = fp8_qtype(weight.dtype)
+    module = QLinear.qcreate(linear, qtype, None, None, device="meta").to_empty(device=device)
+    module.input_scale = torch.ones_like(module.input_scale)
+    module.output_scale = torch.ones_like(module.output_scale)
+    rows = weight.shape[0]
+    scale = (row_scale if row_scale is not None else torch.ones(rows)).reshape(rows, 1).to(device, dtype)
+    data = weight.to(device).contiguous()
+    quantized = WeightQBytesTensor.create(qtype, 0, data.shape, data.stride(), data, scale)
+    module.weight = torch.nn.Parameter(quantized, requires_grad=False)
+    module.bias = None if bias is None else torch.nn.Parameter(bias.to(device, dtype), requires_grad=False)
+    return module
+
+
 def quanto_qtype(name: str):
     """The quanto weight type for a config name (`qfloat8`, `qint8`, `qint4`)."""
     if name not in QTYPES:
@@ -330,9 +359,7 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
         for name, tensor in list(tensors.items()):
             layer = name.rpartition(".")[0]
             if is_fp8(tensor) and name.endswith(".weight") and type(empty_model.get_submodule(layer)) is torch.nn.Linear:
-                # an fp8 file's Linear layer, kept as stored (toolkit/models/stored_weights.py)
-                from toolkit.models.stored_weights import stored_linear
-
+                # an fp8 file's Linear layer, kept as stored
                 parent, _, child = layer.rpartition(".")
                 linear = empty_model.get_submodule(layer)
                 bias = tensors.pop(f"{layer}.bias", None)

@@ -40,6 +40,22 @@ def kind(name: str, title: str, read: Callable[[PartNames], dict[str, Any] | Non
     return PartKind(name, title, read, tuple(variants), prefixes)
 
 
+def tiny_vae(vae: dict, folder) -> Variant:
+    """A tiny preset's AutoencoderKL (its config dict `vae`, its pipeline folder's builder) as a variant."""
+    from toolkit.models.single_files import preset_variant
+
+    return preset_variant("tiny-vae", "tiny VAE", {"latent channels": vae["latent_channels"],
+                                                   "widths": list(vae["block_out_channels"])}, folder, {"vae": "vae"})
+
+
+def tiny_clip(name: str, title: str, text: dict, folder, subfolder: str = "text_encoder") -> Variant:
+    """A tiny preset's CLIP text model (its config dict `text`, in the folder's `subfolder`) as a variant."""
+    from toolkit.models.single_files import preset_variant
+
+    return preset_variant(name, title, {"layers": text["num_hidden_layers"], "width": text["hidden_size"]}, folder,
+                          {"text_encoder": subfolder})
+
+
 def read_clip_text(part: PartNames) -> dict[str, Any] | None:
     """A CLIP text model in transformers' names under `text_model.` (as ComfyUI stores clip_l and clip_g, the prefix
     removed): its layer count, width and vocabulary."""

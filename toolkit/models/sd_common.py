@@ -4,7 +4,9 @@ conv targets, and single-file loading through the family's pipeline."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from diffusers import DDPMScheduler
@@ -18,6 +20,7 @@ from toolkit.models.common import (
     vae_latent_dist,
     vae_latents,
 )
+from toolkit.paths import normalize_path
 
 
 def ldm_unet_converter(part, config: dict):
@@ -32,7 +35,24 @@ def ldm_unet_converter(part, config: dict):
 
 
 class StableDiffusionAdapter(ModelAdapter):
-    """The members sd15 and sdxl share; each family adds its text encoding, prediction and loading."""
+    """The members sd15 and sdxl share; each family adds its text encoding, prediction and loading (`assemble`: the
+    adapter over its parts, unplaced; `meta` builds them from configs alone)."""
+
+    #: the family's `model` config class, and its tiny preset's builder
+    config_class: ClassVar[type]
+    tiny_preset: ClassVar[Callable[[], Path]]
+
+    @classmethod
+    def resolve_source(cls, name_or_path: str, key: str = "model.name_or_path") -> str:
+        """A folder, hub id or file; `tiny` becomes the tiny preset's folder."""
+        name_or_path = normalize_path(name_or_path, key)
+        return str(cls.tiny_preset()) if name_or_path == "tiny" else name_or_path
+
+    @classmethod
+    def for_module_names(cls, name_or_path: str | None) -> StableDiffusionAdapter:
+        source = cls.resolve_source(name_or_path) if name_or_path else None
+        model_cfg = cls.config_class(arch=cls.arch, name_or_path=source or "the published layout")
+        return cls.assemble(model_cfg, source, torch.float32, meta=True)
 
     def init_denoiser(self, unet, vae, scheduler, source: str) -> None:
         self.unet = unet

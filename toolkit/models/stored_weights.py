@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import UserError
+from toolkit.quantize import stored_linear
 from toolkit.models.single_files import (
     INPUT_SCALE_SUFFIXES,
     QUANT_CONFIG_SUFFIX,
@@ -122,35 +123,6 @@ def convert(state: StoredState, converter: Converter | None) -> StoredState:
     row_scales = {name: carried[name].reshape(-1).clone() for name, tensor in tensors.items()
                   if tensor.dtype in FP8_DTYPES}
     return StoredState(tensors, row_scales)
-
-
-def fp8_qtype(dtype: torch.dtype):
-    from optimum.quanto import qfloat8_e4m3fn, qfloat8_e5m2
-
-    return {torch.float8_e4m3fn: qfloat8_e4m3fn, torch.float8_e5m2: qfloat8_e5m2}[dtype]
-
-
-def stored_linear(linear: torch.nn.Linear, weight: torch.Tensor, row_scale: torch.Tensor | None,
-                  bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A quanto QLinear holding an fp8 weight as stored (`weight` bytes, `row_scale` or 1 per row, in `dtype`)."""
-    from optimum.quanto.nn import QLinear
-    from optimum.quanto.tensor.weights.qbytes import WeightQBytesTensor
-
-    from toolkit.quantize import keep_qfloat8_off_marlin, keep_quantized_linear_dtypes_matched
-
-    keep_qfloat8_off_marlin()
-    keep_quantized_linear_dtypes_matched()
-    qtype = fp8_qtype(weight.dtype)
-    module = QLinear.qcreate(linear, qtype, None, None, device="meta").to_empty(device=device)
-    module.input_scale = torch.ones_like(module.input_scale)
-    module.output_scale = torch.ones_like(module.output_scale)
-    rows = weight.shape[0]
-    scale = (row_scale if row_scale is not None else torch.ones(rows)).reshape(rows, 1).to(device, dtype)
-    data = weight.to(device).contiguous()
-    quantized = WeightQBytesTensor.create(qtype, 0, data.shape, data.stride(), data, scale)
-    module.weight = torch.nn.Parameter(quantized, requires_grad=False)
-    module.bias = None if bias is None else torch.nn.Parameter(bias.to(device, dtype), requires_grad=False)
-    return module
 
 
 def is_gguf(tensor: torch.Tensor) -> bool:

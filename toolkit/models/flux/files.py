@@ -61,14 +61,10 @@ def tiny_parts(preset: dict, folder) -> dict[str, Variant]:
     """The tiny preset's text encoders and VAE as variants of their kinds."""
     clip, t5, vae = preset["text_encoder"], preset["text_encoder_2"], preset["vae"]
     return {
-        "clip_l": preset_variant("tiny-clip", "tiny CLIP", {"layers": clip["num_hidden_layers"],
-                                                           "width": clip["hidden_size"]},
-                                 folder, {"text_encoder": "text_encoder"}),
+        "clip_l": part_kinds.tiny_clip("tiny-clip", "tiny CLIP", clip, folder),
         "t5xxl": preset_variant("tiny-t5", "tiny T5", {"blocks": t5["num_layers"], "width": t5["d_model"]}, folder,
                                 {"text_encoder": "text_encoder_2"}),
-        "vae": preset_variant("tiny-vae", "tiny VAE", {"latent channels": vae["latent_channels"],
-                                                       "widths": list(vae["block_out_channels"])},
-                              folder, {"vae": "vae"}),
+        "vae": part_kinds.tiny_vae(vae, folder),
     }
 
 

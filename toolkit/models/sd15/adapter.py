@@ -33,7 +33,6 @@ from toolkit.models.sd15.config import FACTS, SD15ModelConfig
 from toolkit.models.sd15.files import sd15_files
 from toolkit.models.sd15.tiny import ensure_tiny_sd15
 from toolkit.models.sd_common import StableDiffusionAdapter, ldm_unet_converter
-from toolkit.paths import normalize_path
 
 
 class SD15Sampling(SamplingParts):
@@ -62,6 +61,8 @@ class SD15Adapter(StableDiffusionAdapter):
                            modelspec_architecture="stable-diffusion-v1/lora")
     text_rules = ClipTextRules
     sampling_parts = SD15Sampling
+    config_class = SD15ModelConfig
+    tiny_preset = staticmethod(ensure_tiny_sd15)
     sharded_blocks = ("down_blocks.*.attentions", "down_blocks.*.resnets", "mid_block.attentions", "mid_block.resnets",
                       "up_blocks.*.attentions", "up_blocks.*.resnets")
 
@@ -95,17 +96,6 @@ class SD15Adapter(StableDiffusionAdapter):
         adapter.parts_from = parts.origins
         return adapter
 
-    @classmethod
-    def for_module_names(cls, name_or_path: str | None) -> SD15Adapter:
-        source = cls.resolve_source(name_or_path) if name_or_path else None
-        model_cfg = SD15ModelConfig(arch="sd15", name_or_path=source or "the published SD 1.5")
-        return cls.assemble(model_cfg, source, torch.float32, meta=True)
-
-    @staticmethod
-    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
-        """A folder, hub id or file; `tiny` becomes the tiny preset's folder."""
-        name_or_path = normalize_path(name_or_path, key)
-        return str(ensure_tiny_sd15()) if name_or_path == "tiny" else name_or_path
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         tokens = self.tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)

@@ -31,12 +31,8 @@ def sd15_files() -> FamilyFiles:
         "width": unet["block_out_channels"][0], "input channels": unet["in_channels"],
         "context width": unet["cross_attention_dim"], "linear projection": False, "added embedding": False},
         ensure_tiny_sd15)
-    tiny_clip = preset_variant("tiny-clip", "tiny CLIP", {"layers": clip["num_hidden_layers"],
-                                                         "width": clip["hidden_size"]},
-                               ensure_tiny_sd15, {"text_encoder": "text_encoder"})
-    tiny_vae = preset_variant("tiny-vae", "tiny VAE", {"latent channels": vae["latent_channels"],
-                                                       "widths": list(vae["block_out_channels"])},
-                              ensure_tiny_sd15, {"vae": "vae"})
+    tiny_clip = part_kinds.tiny_clip("tiny-clip", "tiny CLIP", clip, ensure_tiny_sd15)
+    tiny_vae = part_kinds.tiny_vae(vae, ensure_tiny_sd15)
     unet_kind = PartKind("sd15_unet", "Stable Diffusion 1.x UNet", part_kinds.read_sd_unet,
                          load_variants(VARIANTS, [tiny_unet]), DENOISER_PREFIXES)
     return FamilyFiles(denoiser=unet_kind, text_encoders={"clip_l": part_kinds.clip_l([tiny_clip])},

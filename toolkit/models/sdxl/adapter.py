@@ -39,7 +39,6 @@ from toolkit.models.sdxl.config import FACTS, SDXLModelConfig
 from toolkit.models.sdxl.files import sdxl_files
 from toolkit.models.sdxl.names import sgm_unet_renames
 from toolkit.models.sdxl.tiny import ensure_tiny_sdxl
-from toolkit.paths import normalize_path
 
 
 class SDXLSampling(SamplingParts):
@@ -95,6 +94,8 @@ class SDXLAdapter(StableDiffusionAdapter):
                            modelspec_architecture="stable-diffusion-xl-v1-base/lora", comfy_renames=sgm_unet_renames)
     text_rules = ClipTextRules
     sampling_parts = SDXLSampling
+    config_class = SDXLModelConfig
+    tiny_preset = staticmethod(ensure_tiny_sdxl)
     sharded_blocks = ("down_blocks.*.attentions", "down_blocks.*.resnets", "mid_block.attentions", "mid_block.resnets",
                       "up_blocks.*.attentions", "up_blocks.*.resnets")
 
@@ -140,17 +141,6 @@ class SDXLAdapter(StableDiffusionAdapter):
         adapter.parts_from = parts.origins
         return adapter
 
-    @classmethod
-    def for_module_names(cls, name_or_path: str | None) -> SDXLAdapter:
-        source = cls.resolve_source(name_or_path) if name_or_path else None
-        model_cfg = SDXLModelConfig(arch="sdxl", name_or_path=source or "the published SDXL 1.0")
-        return cls.assemble(model_cfg, source, torch.float32, meta=True)
-
-    @staticmethod
-    def resolve_source(name_or_path: str, key: str = "model.name_or_path") -> str:
-        """A folder, hub id or file; `tiny` becomes the tiny preset's folder."""
-        name_or_path = normalize_path(name_or_path, key)
-        return str(ensure_tiny_sdxl()) if name_or_path == "tiny" else name_or_path
 
     @staticmethod
     def _vae_in_safe_dtype(vae: AutoencoderKL, dtype: torch.dtype) -> AutoencoderKL:

@@ -27,19 +27,11 @@ def sdxl_files() -> FamilyFiles:
         "width": unet["block_out_channels"][0], "input channels": unet["in_channels"],
         "context width": unet["cross_attention_dim"], "linear projection": True, "added embedding": True},
         ensure_tiny_sdxl)
-
-    def text(name: str, title: str, config: dict, subfolder: str):
-        return preset_variant(name, title, {"layers": config["num_hidden_layers"], "width": config["hidden_size"]},
-                              ensure_tiny_sdxl, {"text_encoder": subfolder})
-
-    tiny_vae = preset_variant("tiny-vae", "tiny VAE", {"latent channels": vae["latent_channels"],
-                                                       "widths": list(vae["block_out_channels"])},
-                              ensure_tiny_sdxl, {"vae": "vae"})
+    tiny_vae = part_kinds.tiny_vae(vae, ensure_tiny_sdxl)
+    tiny_clip = part_kinds.tiny_clip("tiny-clip", "tiny CLIP", clip, ensure_tiny_sdxl)
+    tiny_clip_g = part_kinds.tiny_clip("tiny-clip-g", "tiny CLIP-G", clip_g, ensure_tiny_sdxl, "text_encoder_2")
     unet_kind = PartKind("sdxl_unet", "SDXL UNet", part_kinds.read_sd_unet, load_variants(VARIANTS, [tiny_unet]),
                          DENOISER_PREFIXES)
-    return FamilyFiles(denoiser=unet_kind,
-                       text_encoders={"clip_l": part_kinds.clip_l([text("tiny-clip", "tiny CLIP", clip,
-                                                                        "text_encoder")]),
-                                      "clip_g": part_kinds.clip_g([text("tiny-clip-g", "tiny CLIP-G", clip_g,
-                                                                        "text_encoder_2")])},
+    return FamilyFiles(denoiser=unet_kind, text_encoders={"clip_l": part_kinds.clip_l([tiny_clip]),
+                                                          "clip_g": part_kinds.clip_g([tiny_clip_g])},
                        vae=part_kinds.sdxl_vae([tiny_vae]), comfy_tokenizers=COMFY_TOKENIZERS)

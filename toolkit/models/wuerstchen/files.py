@@ -44,9 +44,7 @@ def wuerstchen_files() -> FamilyFiles:
     tiny_prior = preset_variant("tiny", "tiny Wuerstchen preset", {
         "width": prior["c"], "condition width": prior["c_cond"], "blocks": 3 * prior["depth"],
         "input channels": prior["c_in"]}, folder)
-    tiny_text = preset_variant("tiny-clip", "tiny CLIP", {"layers": text["num_hidden_layers"],
-                                                         "width": text["hidden_size"]},
-                               folder, {"text_encoder": "text_encoder"})
+    tiny_text = part_kinds.tiny_clip("tiny-clip", "tiny CLIP", text, folder)
     return FamilyFiles(denoiser=PartKind("wuerstchen_prior", "Wuerstchen v2 prior", read_prior,
                                          load_variants(VARIANTS, [tiny_prior])),
                        text_encoders={"clip_bigg": part_kinds.clip_bigg_text([tiny_text])}, vae=None,

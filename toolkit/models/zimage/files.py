@@ -53,9 +53,7 @@ def zimage_files() -> FamilyFiles:
     tiny_text = preset_variant("tiny-qwen3", "tiny Qwen3", {"layers": text["num_hidden_layers"],
                                                            "width": text["hidden_size"]},
                                ensure_tiny_zimage, {"text_encoder": "text_encoder"})
-    tiny_vae = preset_variant("tiny-vae", "tiny VAE", {"latent channels": vae["latent_channels"],
-                                                       "widths": list(vae["block_out_channels"])},
-                              ensure_tiny_zimage, {"vae": "vae"})
+    tiny_vae = part_kinds.tiny_vae(vae, ensure_tiny_zimage)
     transformer = PartKind("zimage_transformer", "Z-Image transformer", read_transformer,
                            load_variants(VARIANTS, tiny), DENOISER_PREFIXES)
     return FamilyFiles(denoiser=transformer, text_encoders={"qwen3_4b": part_kinds.qwen3_4b([tiny_text])},
