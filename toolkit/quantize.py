@@ -143,6 +143,14 @@ def stored_linear(linear: torch.nn.Linear, weight: torch.Tensor, row_scale: torc
     return module
 
 
+def dequantized(tensor: torch.Tensor, row_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 tensor as the compute dtype sees it: the stored values (times their scale) in `dtype`."""
+    value = tensor.to(dtype)
+    if row_scale is None:
+        return value
+    return value * row_scale.reshape((-1,) + (1,) * (tensor.dim() - 1)).to(dtype)
+
+
 def quanto_qtype(name: str):
     """The quanto weight type for a config name (`qfloat8`, `qint8`, `qint4`)."""
     if name not in QTYPES:
@@ -294,9 +302,8 @@ class StreamedWeights:
                 for name in in_file:
                     tensor = handle.get_tensor(self.location[name][1])
                     cast = dtype if tensor.is_floating_point() and not (as_stored and is_fp8(tensor)) else None
-                    if is_fp8(tensor) and cast is not None:  # dequantized: the stored values times their scale
-                        tensor = tensor.to(torch.float32) * self.scale(name).reshape(
-                            (-1,) + (1,) * (tensor.dim() - 1))
+                    if is_fp8(tensor) and cast is not None:  # the stored values times their scale
+                        tensor = dequantized(tensor, self.scale(name), dtype)
                     # a copy, even where dtype and device already match: a tensor kept as read would keep the
                     # whole file mapped, and every page of it read so far resident
                     tensors[name] = tensor.to(device, cast, copy=True)
@@ -372,8 +379,7 @@ def load_quantized(empty_model: torch.nn.Module, weights: StreamedWeights, dtype
                 stored_layers.append(layer)
         for name, tensor in tensors.items():
             if is_fp8(tensor):  # outside a Linear layer: dequantized
-                tensor = (tensor.to(torch.float32) * weights.scale(name).reshape((-1,) + (1,) * (tensor.dim() - 1)))
-                tensor = tensor.to(dtype)
+                tensor = dequantized(tensor, weights.scale(name), dtype)
             # clear_cache off: accelerate would empty the CUDA cache for every tensor
             set_module_tensor_to_device(empty_model, name, device, value=tensor, dtype=tensor.dtype, clear_cache=False)
         done.update(names)

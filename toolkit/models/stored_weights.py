@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import UserError
-from toolkit.quantize import stored_linear
+from toolkit.quantize import dequantized, stored_linear
 from toolkit.models.single_files import (
     INPUT_SCALE_SUFFIXES,
     QUANT_CONFIG_SUFFIX,
@@ -141,14 +141,6 @@ def gguf_linear(linear: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tenso
     module.bias = None if bias is None else torch.nn.Parameter(bias.to(device, dtype), requires_grad=False)
     module.requires_grad_(False)
     return module
-
-
-def dequantized(tensor: torch.Tensor, row_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """An fp8 tensor as the compute dtype sees it: the stored values (times their scale) in `dtype`."""
-    value = tensor.to(dtype)
-    if row_scale is None:
-        return value
-    return value * row_scale.reshape((-1,) + (1,) * (tensor.dim() - 1)).to(dtype)
 
 
 def fill_stored(model: torch.nn.Module, state: StoredState, dtype: torch.dtype, device: torch.device | str,
